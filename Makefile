@@ -1,0 +1,11 @@
+# The two set-up commands of the README. Each installs what it needs first.
+.PHONY: setup run test bench-io
+
+setup:
+	./scripts/setup.sh
+
+run: setup
+	.venv/bin/flashmoe demo
+
+test: setup
+	.venv/bin/python -m pytest

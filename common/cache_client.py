@@ -1,0 +1,154 @@
+"""The worker side of the cache manager protocol.
+
+A ``CacheClient`` connects a DEALER socket to the cache manager's ROUTER, does the HELLO/READY
+handshake, maps the arena read-only and turns ``acquire(layer, experts)`` into zero-copy tensor
+views. Every wait is bounded: no reply within ``ipc.acquire_timeout_s`` (or a ``Dead`` from the
+manager) raises ``CacheManagerUnavailable``; the client is unusable after that.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from common.arena import Arena
+from common.config import FlashMoEConfig
+from common.protocol import (AcquireError, AcquireRep, AcquireReq, CacheToWorker, Dead, Decoder,
+                             Hello, Message, ProtocolError, Ready, Rejected, Release, Released,
+                             StatsRep, StatsReq, encode)
+from common.store import ExpertStore
+
+
+class CacheManagerUnavailable(RuntimeError):
+    """The cache manager did not answer in time, or said it is dead."""
+
+
+class ExpertLoadError(RuntimeError):
+    """The cache manager could not provide some experts (checksum, IO, unknown expert...)."""
+
+    def __init__(self, code: str, message: str, layer: int, experts: list[int]) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.layer, self.experts = code, layer, experts
+
+
+class CacheClient:
+    def __init__(self, endpoint: str, config: FlashMoEConfig | None = None,
+                 name: str = "worker") -> None:
+        self.config = config or FlashMoEConfig()
+        self.endpoint = endpoint
+        self.ctx = zmq.Context()
+        self.send_to_cache = self.ctx.socket(zmq.DEALER)
+        self.send_to_cache.setsockopt(zmq.LINGER, 0)
+        self.send_to_cache.connect(endpoint)
+        # A dead manager closes the ipc connection: fail at once instead of at the timeout.
+        self.peer_events = self.send_to_cache.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.send_to_cache, zmq.POLLIN)
+        self.poller.register(self.peer_events, zmq.POLLIN)
+        self.connected = False
+        self.decoder = Decoder(CacheToWorker, max_bytes=16 * 1024 * 1024)
+        self.seq = 0
+        self.broken: str | None = None
+        self.arena: Arena | None = None
+        try:
+            self.send_to_cache.send(encode(Hello(name, os.getpid(), self.config.digest())))
+            ready = self._wait(Ready, None, self.config.ipc.handshake_timeout_s,
+                               "ipc.handshake_timeout_s")
+            self.ready = ready
+            self.engine = ready.engine
+            self.store = ExpertStore.open(ready.store_path)
+            self.arena = Arena.attach(ready.arena_name, ready.slot_bytes, ready.n_slots)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait(self, expected: type, seq: int | None, timeout_s: float, setting: str) -> Message:
+        if self.broken:
+            raise CacheManagerUnavailable(self.broken)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            ready = dict(self.poller.poll(left_ms)) if left_ms > 0 else {}
+            if self.peer_events in ready:
+                self._check_peer_events()
+                continue
+            if self.send_to_cache not in ready:
+                self.broken = (f"no reply from the cache manager at {self.endpoint} within "
+                               f"{timeout_s:g} s (raise {setting} if it is just slow)")
+                raise CacheManagerUnavailable(self.broken)
+            try:
+                message = self.decoder.decode(self.send_to_cache.recv())
+            except ProtocolError as exc:
+                self.broken = f"cache manager sent a bad message: {exc}"
+                raise CacheManagerUnavailable(self.broken) from None
+            if isinstance(message, Dead):
+                self.broken = f"cache manager is dead: {message.reason}"
+                raise CacheManagerUnavailable(self.broken)
+            if isinstance(message, Rejected):
+                raise ProtocolError(message.code, message.message)
+            if seq is not None and getattr(message, "seq", seq) != seq:
+                continue  # a late answer to a request that already timed out
+            if isinstance(message, AcquireError) and expected is AcquireRep:
+                raise ExpertLoadError(message.code, message.message, message.layer,
+                                      list(message.experts))
+            if isinstance(message, expected):
+                return message
+
+    def _check_peer_events(self) -> None:
+        while self.peer_events.poll(0):
+            event = recv_monitor_message(self.peer_events)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.broken = f"the cache manager at {self.endpoint} went away (connection closed)"
+                raise CacheManagerUnavailable(self.broken)
+
+    def _request(self, message: Message, expected: type, seq: int) -> Message:
+        if self.broken:
+            raise CacheManagerUnavailable(self.broken)
+        self.send_to_cache.send(encode(message))
+        return self._wait(expected, seq, self.config.ipc.acquire_timeout_s,
+                          "ipc.acquire_timeout_s")
+
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def acquire(self, layer: int, experts: list[int]) -> list[int]:
+        """Slots holding the layer's experts; they stay pinned until the next request."""
+        seq = self._next_seq()
+        return list(self._request(AcquireReq(seq, layer, list(experts)), AcquireRep, seq).slots)
+
+    def acquire_tensors(self, layer: int, experts: list[int]) -> list[dict]:
+        """Zero-copy torch views of each expert's projections, in request order."""
+        slots = self.acquire(layer, experts)
+        return [self.arena.torch_views(slot, self.store.expert(layer, expert))
+                for expert, slot in zip(experts, slots)]
+
+    def release(self) -> None:
+        seq = self._next_seq()
+        self._request(Release(seq), Released, seq)
+
+    def stats(self) -> dict:
+        seq = self._next_seq()
+        return dict(self._request(StatsReq(seq), StatsRep, seq).stats)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if hasattr(self, "peer_events"):
+            self.send_to_cache.disable_monitor()
+            self.peer_events.close()
+        self.send_to_cache.close()
+        self.ctx.term()
+
+    def __enter__(self) -> "CacheClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,273 @@
+"""One root configuration for every FlashMoE process.
+
+The root config is made of typed section dataclasses. Every field carries a docstring-like
+``doc`` and its allowed range or choices in its metadata, so that validation, the CLI help and
+the control panel all read the same definition.
+
+Precedence, lowest first: device-profile defaults < config file (TOML or JSON) < environment
+(``FLASHMOE_<SECTION>__<FIELD>``, e.g. ``FLASHMOE_IO__QUEUE_DEPTH=16``) < CLI ``--set
+section.field=value``. An invalid value fails at start with a message naming the field, its
+allowed range and where the value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "FLASHMOE_"
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, malformed or out of range."""
+
+
+def _spec(doc: str, lo: float | None = None, hi: float | None = None,
+          choices: tuple | None = None, size: bool = False, multiple_of: int | None = None) -> dict:
+    return {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "size": size,
+            "multiple_of": multiple_of}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``262144``, ``256K``, ``256KiB``, ``4M``, ``1G`` into bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 262144, 256K, 4M, 1G)")
+    unit = {"": 1, "K": KIB, "M": MIB, "G": GIB}[match.group(2).upper()]
+    return int(match.group(1)) * unit
+
+
+@dataclass
+class StoreConfig:
+    path: str = field(default="", metadata=_spec("Expert store folder made by `flashmoe convert`."))
+    block_size: int = field(default=256 * KIB, metadata=_spec(
+        "Bytes per store block (one SSD read).", lo=4 * KIB, hi=16 * MIB, size=True,
+        multiple_of=4096))
+    parallelism: int = field(default=4, metadata=_spec(
+        "Number of stripe files; global block b lives in stripe b % parallelism.", lo=1, hi=64))
+
+
+@dataclass
+class IOConfig:
+    engine: str = field(default="auto", metadata=_spec(
+        "IO engine: auto uses the io_uring helper when it loads and works, else pread.",
+        choices=("auto", "uring", "pread")))
+    queue_depth: int = field(default=8, metadata=_spec(
+        "Reads kept in flight by the IO engine.", lo=1, hi=256))
+    verify_checksums: bool = field(default=True, metadata=_spec(
+        "Verify every block's checksum before its slot is marked ready."))
+
+
+@dataclass
+class CacheConfig:
+    policy: str = field(default="lru", metadata=_spec(
+        "Eviction policy name from the policy registry."))
+    capacity_experts: int = field(default=64, metadata=_spec(
+        "Arena slots (experts resident at once); the arena is this many slots.", lo=1,
+        hi=1 << 20))
+    scope: str = field(default="global", metadata=_spec(
+        "global: one budget over all layers; layer: one budget per layer.",
+        choices=("global", "layer")))
+
+
+@dataclass
+class IPCConfig:
+    runtime_dir: str = field(default="", metadata=_spec(
+        "Folder for ipc sockets; empty means a private folder under the system temp dir."))
+    handshake_timeout_s: float = field(default=10.0, metadata=_spec(
+        "Seconds a client waits for READY after HELLO.", lo=0.05, hi=600))
+    acquire_timeout_s: float = field(default=30.0, metadata=_spec(
+        "Seconds a worker waits for an AcquireRep before raising CacheManagerUnavailable.",
+        lo=0.05, hi=3600))
+    max_message_bytes: int = field(default=64 * KIB, metadata=_spec(
+        "Largest accepted control message; larger ones are rejected and counted.",
+        lo=1 * KIB, hi=16 * MIB, size=True))
+
+
+@dataclass
+class PredictorConfig:
+    lstm_hidden: int = field(default=64, metadata=_spec(
+        "LSTM hidden size of the predictor.", choices=(32, 64, 128)))
+    window: int = field(default=1000, metadata=_spec(
+        "Sliding training window, in accesses.", lo=10, hi=1_000_000))
+    publish_interval_ms: int = field(default=100, metadata=_spec(
+        "Period of Prediction messages.", lo=1, hi=60_000))
+
+
+@dataclass
+class PrefetchConfig:
+    window: int = field(default=8, metadata=_spec(
+        "Top-scored non-resident experts considered for prefetch.", lo=0, hi=256))
+
+
+# DESIGN.md "Device profiles": defaults that depend on the device's RAM.
+PROFILES: dict[str, dict[str, dict[str, Any]]] = {
+    "8gb": {"predictor": {"lstm_hidden": 32}, "store": {"block_size": 128 * KIB},
+            "prefetch": {"window": 4}},
+    "16gb": {"predictor": {"lstm_hidden": 64}, "store": {"block_size": 256 * KIB},
+             "prefetch": {"window": 8}},
+    "32gb": {"predictor": {"lstm_hidden": 128}, "store": {"block_size": 512 * KIB},
+             "prefetch": {"window": 16}},
+}
+DEFAULT_PROFILE = "16gb"
+
+
+@dataclass
+class FlashMoEConfig:
+    profile: str = DEFAULT_PROFILE
+    store: StoreConfig = field(default_factory=StoreConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    ipc: IPCConfig = field(default_factory=IPCConfig)
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Short hash exchanged in the HELLO/READY handshake."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "FlashMoEConfig":
+        cfg = cls(profile=data.get("profile", DEFAULT_PROFILE))
+        for section, values in data.items():
+            if section == "profile":
+                continue
+            for name, value in values.items():
+                _assign(cfg, section, name, value, "dict")
+        return cfg
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(FlashMoEConfig) if f.name != "profile")
+
+
+def field_spec(section: str, name: str) -> tuple[dataclasses.Field, dict]:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}; sections: {', '.join(SECTIONS)}")
+    section_cls = type(getattr(FlashMoEConfig(), section))
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    if name not in fields:
+        raise ConfigError(f"unknown config field {section}.{name}; fields of [{section}]: "
+                          f"{', '.join(fields)}")
+    return fields[name], fields[name].metadata
+
+
+def _coerce(f: dataclasses.Field, spec: dict, value: Any, where: str) -> Any:
+    key_type = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if spec.get("size"):
+            return parse_size(value)
+        if key_type == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if key_type == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(f"not an integer: {value!r}")
+            return int(value)
+        if key_type == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check(spec: dict, value: Any, where: str) -> None:
+    lo, hi, choices = spec.get("lo"), spec.get("hi"), spec.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where} = {value!r} is not allowed; choices: "
+                          f"{', '.join(map(str, choices))}")
+    if lo is not None and hi is not None and not (lo <= value <= hi):
+        raise ConfigError(f"{where} = {value!r} is out of range [{lo}, {hi}]")
+    multiple = spec.get("multiple_of")
+    if multiple and value % multiple:
+        raise ConfigError(f"{where} = {value!r} must be a multiple of {multiple}")
+
+
+def _assign(cfg: FlashMoEConfig, section: str, name: str, value: Any, origin: str) -> None:
+    f, spec = field_spec(section, name)
+    where = f"{section}.{name} (from {origin})"
+    coerced = _coerce(f, spec, value, where)
+    _check(spec, coerced, where)
+    setattr(getattr(cfg, section), name, coerced)
+
+
+def load_config(profile: str | None = None, file: str | os.PathLike | None = None,
+                env: Mapping[str, str] | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> FlashMoEConfig:
+    """Build the root config from profile, file, environment and CLI overrides, validated."""
+    env = os.environ if env is None else env
+    file_data: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            file_data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path} is malformed: {exc}") from None
+    profile = (profile or env.get(ENV_PREFIX + "PROFILE") or file_data.get("profile")
+               or DEFAULT_PROFILE)
+    if profile not in PROFILES:
+        raise ConfigError(f"profile = {profile!r} is not allowed; choices: "
+                          f"{', '.join(PROFILES)}")
+    cfg = FlashMoEConfig(profile=profile)
+    for section, values in PROFILES[profile].items():
+        for name, value in values.items():
+            _assign(cfg, section, name, value, f"profile {profile}")
+    for section, values in file_data.items():
+        if section == "profile":
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {file}: [{section}] must be a table of fields")
+        for name, value in values.items():
+            _assign(cfg, section, name, value, f"file {file}")
+    for key, value in sorted(env.items()):
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "PROFILE":
+            continue
+        section, sep, name = key[len(ENV_PREFIX):].lower().partition("__")
+        if not sep:
+            raise ConfigError(f"environment {key}: expected {ENV_PREFIX}<SECTION>__<FIELD>")
+        _assign(cfg, section, name, value, f"env {key}")
+    for item in overrides:
+        dotted, sep, value = item.partition("=")
+        section, dot, name = dotted.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r}: expected section.field=value")
+        _assign(cfg, section, name, value.strip(), f"--set {item}")
+    return cfg
+
+
+def describe_fields() -> list[dict[str, Any]]:
+    """Every tunable field with its doc, default and bounds (CLI help, control panel)."""
+    rows = []
+    default = FlashMoEConfig()
+    for section in SECTIONS:
+        for f in dataclasses.fields(type(getattr(default, section))):
+            spec = f.metadata
+            rows.append({"key": f"{section}.{f.name}", "default": getattr(getattr(default, section), f.name),
+                         "doc": spec["doc"], "lo": spec.get("lo"), "hi": spec.get("hi"),
+                         "choices": spec.get("choices")})
+    return rows

@@ -1,0 +1,129 @@
+"""Every message FlashMoE processes exchange, and the one codec for them.
+
+On the wire a message is one ZeroMQ frame of plain msgpack: ``[SCHEMA_VERSION, [tag, field,
+...]]``. The version is checked before the body is decoded; the body is a msgspec Struct,
+validated on decode (types and bounds). No pickle anywhere.
+
+Decoding never raises anything but ``ProtocolError``, whose ``code`` says what was wrong
+(``malformed``, ``wrong_version``, ``oversized``), so a service can count it and go on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
+ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class Message(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """Base of all messages; the tag is the class name."""
+
+
+# --- worker <-> cache manager (DEALER -> ROUTER) -------------------------------------------
+
+class Hello(Message):
+    worker_name: ShortText  # free-form name for logs and stats
+    pid: NonNeg  # worker process id
+    config_digest: ShortText  # FlashMoEConfig.digest() of the sender, "" if it has none
+
+
+class Ready(Message):
+    arena_name: ShortText  # shm name of the arena (under /dev/shm)
+    slot_bytes: NonNeg  # bytes per arena slot
+    n_slots: NonNeg  # slots in the arena
+    store_path: ShortText  # store folder; the worker reads the manifest for tensor layout
+    engine: ShortText  # IO engine in use ("uring" or "pread")
+    config_digest: ShortText  # the cache manager's config digest
+
+
+class AcquireReq(Message):
+    seq: NonNeg  # worker-chosen sequence number, echoed in the reply
+    layer: NonNeg  # MoE layer index
+    experts: ExpertIds  # expert ids selected for this layer (the router's top-k)
+
+
+class AcquireRep(Message):
+    seq: NonNeg  # echo of AcquireReq.seq
+    layer: NonNeg
+    slots: list[NonNeg]  # arena slot of each requested expert, in request order; pinned
+
+
+class AcquireError(Message):
+    seq: NonNeg  # echo of AcquireReq.seq
+    layer: NonNeg
+    code: ShortText  # checksum | unknown_expert | no_free_slot | io_error | not_ready
+    message: ShortText  # human-readable detail
+    experts: list[NonNeg]  # the experts the error is about
+
+
+class Release(Message):
+    seq: NonNeg  # drop the sender's pins (worker going idle or away); answered by Released
+
+
+class Released(Message):
+    seq: NonNeg
+
+
+class StatsReq(Message):
+    seq: NonNeg
+
+
+class StatsRep(Message):
+    seq: NonNeg
+    stats: dict[str, Union[int, float, str]]  # counters and gauges, flat
+
+
+class Rejected(Message):
+    code: ShortText  # malformed | wrong_version | oversized | unexpected
+    message: ShortText
+
+
+class Dead(Message):
+    reason: ShortText  # sent by a process that is going down so peers fail fast
+
+
+WorkerToCache = Union[Hello, AcquireReq, Release, StatsReq]
+CacheToWorker = Union[Ready, AcquireRep, AcquireError, Released, StatsRep, Rejected, Dead]
+
+
+class ProtocolError(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+_envelope_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def encode(message: Message) -> bytes:
+    return _envelope_encoder.encode((SCHEMA_VERSION, message))
+
+
+class Decoder:
+    """Typed decoder for one direction of one socket, e.g. ``Decoder(WorkerToCache)``."""
+
+    def __init__(self, union, max_bytes: int = 64 * 1024) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+        self.max_bytes = max_bytes
+
+    def decode(self, frame: bytes | memoryview) -> Message:
+        if len(frame) > self.max_bytes:
+            raise ProtocolError("oversized", f"{len(frame)} bytes > limit {self.max_bytes}")
+        try:
+            version, body = _envelope_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError("malformed", f"not a FlashMoE envelope: {exc}") from None
+        if version != SCHEMA_VERSION:
+            raise ProtocolError("wrong_version",
+                                f"schema version {version}, expected {SCHEMA_VERSION}")
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError("malformed", str(exc)) from None

@@ -1,0 +1,206 @@
+"""The `flashmoe` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from common.config import ConfigError, describe_fields, load_config, parse_size
+from common.model_families import UnsupportedModelError
+from common.safetensors_io import SafetensorsError
+from common.store import StoreError
+
+USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError)
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", choices=("8gb", "16gb", "32gb"), help="device profile defaults")
+    p.add_argument("--config", metavar="FILE", help="TOML or JSON config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one config field (repeatable); see `flashmoe config`")
+
+
+def _config(args, store: str | None = None):
+    overrides = list(args.set)
+    if store:
+        overrides.insert(0, f"store.path={store}")
+    return load_config(profile=args.profile, file=args.config, overrides=overrides)
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def cmd_convert(args) -> int:
+    from flashmoe.convert import convert_checkpoint
+
+    manifest = convert_checkpoint(args.hf_dir, args.store, block_size=parse_size(args.block_size),
+                                  parallelism=args.parallelism, show_progress=not args.quiet)
+    total = sum(e.nbytes for e in manifest.experts)
+    print(f"{args.store}: {manifest.model_family}, {len(manifest.moe_layers)} MoE layers x "
+          f"{manifest.num_experts} experts, {total / 2**20:.1f} MiB of experts in "
+          f"{len(manifest.block_crc)} blocks of {manifest.block_size // 1024} KiB over "
+          f"{manifest.parallelism} stripes")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from tqdm import tqdm
+
+    from common.store import ExpertStore
+
+    store = ExpertStore.open(args.store)
+    total = sum(e.nbytes for e in store.manifest.experts)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
+        for error in store.verify(progress=bar.update):
+            print(f"{args.store}: {error}", file=sys.stderr)
+            return 1
+    print(f"{args.store}: {len(store.manifest.block_crc)} blocks OK")
+    return 0
+
+
+def cmd_io_bench(args) -> int:
+    from flashmoe import io_bench
+
+    results = io_bench.io_bench(args.store, args.engine, args.depth, repeat=args.repeat,
+                                with_fio=not args.no_fio)
+    print(io_bench.format_table(results))
+    if args.json:
+        io_bench.write_json(results, args.json, args.store)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_acquire_bench(args) -> int:
+    from flashmoe import acquire_bench
+
+    result = acquire_bench.acquire_bench(args.store, iterations=args.iterations,
+                                         engine=args.engine)
+    print(acquire_bench.format_table(result))
+    if args.json:
+        acquire_bench.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_serve_cache(args) -> int:
+    from services.cache_manager.process import run_cache_manager_process
+
+    run_cache_manager_process(_config(args, args.store), args.endpoint)
+    return 0
+
+
+def cmd_build_helper(args) -> int:
+    from services.cache_manager.io_engine import build_helper
+
+    print(build_helper(force=args.force))
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from flashmoe.tiny_models import build_tiny_model
+
+    out = build_tiny_model(args.family, args.out, seed=args.seed, layers=args.layers,
+                           experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                           expert_intermediate=args.expert_intermediate)
+    print(out)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from flashmoe.demo import run_demo
+
+    return run_demo(Path(args.workdir), store_mib=args.store_mib)
+
+
+def cmd_config(args) -> int:
+    if args.fields:
+        for row in describe_fields():
+            bounds = (f"choices {row['choices']}" if row["choices"] else
+                      f"[{row['lo']}, {row['hi']}]" if row["lo"] is not None else "")
+            print(f"{row['key']:<28} {row['default']!s:<10} {bounds:<24} {row['doc']}")
+        return 0
+    print(json.dumps(_config(args).to_dict(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashmoe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="HF MoE checkpoint folder -> block-striped expert store")
+    p.add_argument("hf_dir")
+    p.add_argument("store")
+    p.add_argument("--block-size", default="256K", help="bytes per block (default 256K)")
+    p.add_argument("--parallelism", type=int, default=4, help="stripe files (default 4)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("verify", help="check every block's checksum; non-zero on the first bad")
+    p.add_argument("store")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("io-bench", help="IO engine MB/s and latency against the fio ceiling")
+    p.add_argument("store")
+    p.add_argument("--engine", type=_csv(str), default=["uring"],
+                   help="uring, pread or auto; comma-separated for several")
+    p.add_argument("--depth", type=_csv(int), default=[8], help="queue depth(s), e.g. 1,8,32")
+    p.add_argument("--repeat", type=int, default=3, help="passes per figure (median)")
+    p.add_argument("--no-fio", action="store_true", help="skip the fio ceiling")
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(func=cmd_io_bench)
+
+    p = sub.add_parser("acquire-bench", help="round-trip time of an all-resident AcquireReq")
+    p.add_argument("store")
+    p.add_argument("--iterations", type=int, default=20000)
+    p.add_argument("--engine", default="auto")
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(func=cmd_acquire_bench)
+
+    p = sub.add_parser("serve-cache", help="run the cache manager process")
+    p.add_argument("store")
+    p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///x.sock")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_serve_cache)
+
+    p = sub.add_parser("build-helper", help="compile the io_uring C helper")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_build_helper)
+
+    p = sub.add_parser("make-tiny-model", help="save a random-weight MoE model (no download)")
+    p.add_argument("family", choices=("qwen3_moe", "olmoe", "mixtral"))
+    p.add_argument("out")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--expert-intermediate", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("demo", help="the main job: tiny model -> store -> verify -> benchmarks")
+    p.add_argument("--workdir", default=".flashmoe/demo")
+    p.add_argument("--store-mib", type=int, default=256, help="approximate store size")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
+    p.add_argument("--fields", action="store_true")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"flashmoe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The eviction-policy interface shared by the live cache manager and the trace simulator.
+
+A policy only keeps order: it is told about hits, insertions and evictions, and asked to
+*choose* a victim; the cache that owns it decides when to evict and carries it out (deciding is
+separate from acting, as in libCacheSim). Keys are hashable (``(layer, expert)`` tuples in the
+cache manager). Pinned keys are never chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Container, Hashable, Mapping
+
+Key = Hashable
+NOTHING_PINNED: frozenset = frozenset()
+
+
+class PolicyError(ValueError):
+    """Unknown policy, unknown or out-of-range parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NoParams:
+    """A policy without tunable parameters."""
+
+
+class EvictionPolicy(ABC):
+    name: ClassVar[str]
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, capacity: int, params: Any = None) -> None:
+        if capacity < 1:
+            raise PolicyError(f"{self.name}: capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def __contains__(self, key: Key) -> bool:
+        """Is the key resident (as far as this policy knows)?"""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident keys."""
+
+    @abstractmethod
+    def on_hit(self, key: Key) -> None:
+        """A resident key was requested."""
+
+    @abstractmethod
+    def on_insert(self, key: Key) -> None:
+        """A missed key became resident (the cache made room first)."""
+
+    @abstractmethod
+    def victim(self, pinned: Container[Key] = NOTHING_PINNED) -> Key | None:
+        """The resident key to evict next, never a pinned one; None if every key is pinned."""
+
+    @abstractmethod
+    def on_evict(self, key: Key) -> None:
+        """The cache removed ``key`` (normally the chosen victim)."""
+
+
+def build_params(policy_cls: type[EvictionPolicy], values: Mapping[str, Any] | None) -> Any:
+    """Typed parameters of a policy from a plain mapping; an unknown key is an error."""
+    values = dict(values or {})
+    fields = {f.name: f for f in dataclasses.fields(policy_cls.Params)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        allowed = ", ".join(fields) or "none"
+        raise PolicyError(f"{policy_cls.name}: unknown parameter(s) {', '.join(unknown)} "
+                          f"(allowed: {allowed})")
+    try:
+        params = policy_cls.Params(**{k: type(fields[k].default)(v) for k, v in values.items()})
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"{policy_cls.name}: bad parameter value: {exc}") from None
+    check = getattr(params, "check", None)
+    if check is not None:
+        check()
+    return params

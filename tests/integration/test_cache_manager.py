@@ -1,0 +1,91 @@
+"""The cache manager as a real process, workers as real processes, over real ipc sockets."""
+
+import multiprocessing as mp
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from common.cache_client import CacheClient
+from common.config import load_config
+from common.store import ExpertStore
+from tests.conftest import expected_expert_tensors, uring_available
+
+URING_OK, URING_WHY = uring_available()
+
+
+def worker_main(endpoint, checkpoint, store_path, seed, rounds, out):
+    """Acquire random top-2 sets and compare every tensor with the checkpoint."""
+    rng = random.Random(seed)
+    store = ExpertStore.open(store_path)
+    expected = {key: expected_expert_tensors(checkpoint, store, *key) for key in store.keys()}
+    bad = 0
+    with CacheClient(endpoint, name=f"worker{seed}") as client:
+        for _ in range(rounds):
+            layer = rng.choice(store.manifest.moe_layers)
+            experts = rng.sample(range(store.manifest.num_experts), 2)
+            for expert, tensors in zip(experts, client.acquire_tensors(layer, experts)):
+                for name, tensor in tensors.items():
+                    if not torch.equal(tensor.view(torch.int16),
+                                       expected[(layer, expert)][name].view(torch.int16)):
+                        bad += 1
+            del tensors
+        out.put((seed, bad, client.engine))
+
+
+@pytest.mark.parametrize("engine", ["pread", "uring"])
+def test_two_workers_concurrently_get_correct_bytes(engine, tiny_store, tiny_checkpoints,
+                                                    start_manager):
+    if engine == "uring" and not URING_OK:
+        pytest.skip(f"io_uring helper unavailable: {URING_WHY}")
+    # 6 slots for 16 experts: constant eviction while both workers hold 2 pins each.
+    manager = start_manager(tiny_store, f"io.engine={engine}", "cache.capacity_experts=6")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=worker_main, args=(manager.endpoint,
+                                                     tiny_checkpoints["qwen3_moe"],
+                                                     tiny_store, seed, 150, out))
+               for seed in (1, 2)]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    assert sorted(r[0] for r in results) == [1, 2]
+    assert all(r[1] == 0 for r in results), results
+    assert all(r[2] == engine for r in results)
+    with CacheClient(manager.endpoint, name="observer") as client:
+        stats = client.stats()
+    assert stats["engine"] == engine and stats["n_miss"] > 16 and stats["n_hit"] > 0
+    assert stats["n_evict"] > 0 and stats["n_byte_read"] > 0 and stats["read_p99_us"] > 0
+    assert stats["n_checksum_error"] == 0 and stats["workers"] == 3
+
+
+def test_stats_release_and_zero_copy_views(tiny_store, start_manager):
+    manager = start_manager(tiny_store, "io.engine=auto")
+    with CacheClient(manager.endpoint) as client:
+        first = client.acquire(0, [1, 2])
+        again = client.acquire(0, [2, 1])
+        assert again == first[::-1]
+        views = client.acquire_tensors(0, [3])[0]
+        assert views["gate_proj"].dtype == torch.bfloat16
+        base = np.frombuffer(client.arena.mmap, dtype=np.uint8).ctypes.data
+        size = client.arena.slot_bytes * client.arena.n_slots
+        for tensor in views.values():  # views into the shared arena, not copies
+            assert base <= tensor.data_ptr() < base + size
+        client.release()
+        stats = client.stats()
+        assert stats["n_hit"] == 2 and stats["n_miss"] == 3 and stats["resident"] == 3
+        assert stats["engine"] in ("uring", "pread")
+        assert stats["engine"] == ("uring" if URING_OK else "pread")
+        del views
+
+
+def test_worker_config_digest_reaches_the_manager(tiny_store, start_manager):
+    manager = start_manager(tiny_store)
+    config = load_config(env={}, overrides=[f"store.path={tiny_store}"])
+    with CacheClient(manager.endpoint, config=config) as client:
+        assert client.ready.n_slots == 64 and client.ready.slot_bytes % 4096 == 0
+        assert client.ready.config_digest == config.digest()

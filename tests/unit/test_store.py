@@ -1,0 +1,154 @@
+"""Store format: conversion of each family is bit-exact; damage gives clear errors."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from common.arena import Arena
+from common.model_families import UnsupportedModelError
+from common.store import (ALIGN, MANIFEST_NAME, ExpertStore, StoreError, block_location,
+                          stripe_name)
+from flashmoe.cli import main as cli
+from flashmoe.convert import convert_checkpoint
+from services.cache_manager.io_engine import PreadEngine
+from tests.conftest import FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM, expected_expert_tensors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_expert_reads_back_bit_identical(family, tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints[family]
+    convert_checkpoint(ckpt, tmp_path / "s", block_size=TEST_BLOCK_SIZE,
+                       parallelism=TEST_PARALLELISM, show_progress=False)
+    store = ExpertStore.open(tmp_path / "s")
+    assert store.manifest.model_family == family
+    assert len(store.keys()) == 2 * 8 and store.manifest.top_k == 2
+    arena = Arena.create(1, store.manifest.slot_bytes)
+    engine = PreadEngine(arena.mmap, arena.slot_bytes, 1, store.stripe_paths, depth=2)
+    try:
+        for layer, expert in store.keys():
+            ops = store.read_ops(layer, expert, slot=0)
+            engine.read(ops)
+            assert (ops["result"] == ops["length"]).all()
+            store.verify_expert_bytes(layer, expert, arena.slot(0))
+            got = arena.torch_views(0, store.expert(layer, expert))
+            want = expected_expert_tensors(ckpt, store, layer, expert)
+            assert set(got) == set(want) and len(got) == 3
+            for name in want:
+                assert got[name].dtype == want[name].dtype == torch.bfloat16
+                assert torch.equal(got[name].view(torch.int16), want[name].view(torch.int16))
+            del got
+    finally:
+        engine.close()
+        arena.close()
+
+
+def test_layout_stripes_alignment_and_non_expert_weights(tiny_store):
+    store = ExpertStore.open(tiny_store)
+    m = store.manifest
+    blocks_per_stripe = [0] * m.parallelism
+    for e in m.experts:
+        assert e.n_blocks >= 2, "tests need experts spanning several blocks"
+        ops = store.read_ops(e.layer, e.expert, slot=0)
+        for i, op in enumerate(ops):
+            stripe, offset = block_location(e.first_block + i, m.block_size, m.parallelism)
+            assert (op["file_index"], op["file_offset"]) == (stripe, offset)
+            assert stripe == (e.first_block + i) % m.parallelism
+            assert offset % ALIGN == 0 and op["length"] % ALIGN == 0
+            blocks_per_stripe[stripe] += 1
+    assert min(blocks_per_stripe) > 0
+    manifest = json.loads((tiny_store / MANIFEST_NAME).read_text())
+    assert manifest["format_version"] == 1 and manifest["alignment"] == 4096
+    assert (tiny_store / "non_expert.safetensors").stat().st_size > 0
+    assert (tiny_store / "config.json").is_file()
+
+
+def test_missing_manifest_does_not_open(store_copy):
+    (store_copy / MANIFEST_NAME).unlink()
+    with pytest.raises(StoreError, match="no manifest.json"):
+        ExpertStore.open(store_copy)
+
+
+def test_wrong_format_version_does_not_open(store_copy):
+    path = store_copy / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data["format_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(StoreError, match="format version 99"):
+        ExpertStore.open(store_copy)
+
+
+def test_malformed_manifest_is_a_clear_error(store_copy):
+    (store_copy / MANIFEST_NAME).write_text('{"format_version": 1}')
+    with pytest.raises(StoreError, match="malformed"):
+        ExpertStore.open(store_copy)
+    (store_copy / MANIFEST_NAME).write_text("{trunc")
+    with pytest.raises(StoreError, match="not valid JSON"):
+        ExpertStore.open(store_copy)
+
+
+def test_truncated_stripe_is_named(store_copy, capsys):
+    stripe = store_copy / stripe_name(1)
+    os.truncate(stripe, stripe.stat().st_size - 4096)
+    with pytest.raises(StoreError, match="stripe_1.bin is truncated"):
+        ExpertStore.open(store_copy)
+    assert cli(["verify", str(store_copy), "--quiet"]) == 2
+    assert "stripe_1.bin is truncated" in capsys.readouterr().err
+
+
+def test_flipped_byte_is_named_by_verify(store_copy, capsys):
+    store = ExpertStore.open(store_copy)
+    victim = store.manifest.experts[5]
+    block = victim.first_block + 1
+    stripe, offset = block_location(block, store.manifest.block_size, store.manifest.parallelism)
+    with open(store_copy / stripe_name(stripe), "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    errors = list(store.verify())
+    assert len(errors) == 1 and errors[0].block == block
+    assert cli(["verify", str(store_copy), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"block {block} " in err and f"layer {victim.layer} expert {victim.expert}" in err
+
+
+def test_verify_ok_exits_zero(tiny_store, capsys):
+    assert cli(["verify", str(tiny_store), "--quiet"]) == 0
+    assert "blocks OK" in capsys.readouterr().out
+
+
+def test_unsupported_family_is_a_clear_error(tiny_checkpoints, tmp_path, capsys):
+    ckpt = tmp_path / "llama"
+    shutil.copytree(tiny_checkpoints["olmoe"], ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "llama"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="'llama' is not a supported MoE family"):
+        convert_checkpoint(ckpt, tmp_path / "s", show_progress=False)
+    assert cli(["convert", str(ckpt), str(tmp_path / "s2"), "--quiet"]) == 2
+    assert "not a supported MoE family" in capsys.readouterr().err
+
+
+def test_not_a_checkpoint_folder(tmp_path, capsys):
+    assert cli(["convert", str(tmp_path), str(tmp_path / "s"), "--quiet"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_reconvert_over_a_store_replaces_it_atomically(tiny_checkpoints, tmp_path):
+    out = tmp_path / "s"
+    convert_checkpoint(tiny_checkpoints["mixtral"], out, block_size=8192, parallelism=2,
+                       show_progress=False)
+    convert_checkpoint(tiny_checkpoints["olmoe"], out, block_size=4096, parallelism=4,
+                       show_progress=False)
+    store = ExpertStore.open(out)
+    assert store.manifest.model_family == "olmoe" and store.manifest.parallelism == 4
+    assert next(store.verify(), None) is None
+    assert not (out / (MANIFEST_NAME + ".tmp")).exists()
+
+
+def test_bad_block_size_is_rejected(tiny_checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        convert_checkpoint(tiny_checkpoints["olmoe"], tmp_path / "s", block_size=5000)
