@@ -11,8 +11,12 @@ from common.config import ConfigError, describe_fields, load_config, parse_size
 from common.model_families import UnsupportedModelError
 from common.safetensors_io import SafetensorsError
 from common.store import StoreError
+from common.traces import DEFAULT_TRACES_DIR, TraceError
+from flashmoe.device_model import DEVICES as DEVICE_NAMES
+from services.cache_manager.policies import PolicyError
 
-USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError)
+USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError,
+               TraceError, PolicyError)
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -115,6 +119,41 @@ def cmd_demo(args) -> int:
     return run_demo(Path(args.workdir), store_mib=args.store_mib)
 
 
+def cmd_bench(args) -> int:
+    from common.traces import load_trace
+    from flashmoe import simulator
+    from flashmoe.device_model import DEVICES, MODEL_SHAPES
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    shape_name = args.model or trace.model
+    if shape_name not in MODEL_SHAPES:
+        raise TraceError(f"no model-shape profile {shape_name!r} for the trace's model (choices: "
+                         f"{', '.join(MODEL_SHAPES)}); pass --model")
+    for fraction in args.capacity:
+        simulator.capacity_for(fraction, trace, args.scope)
+    report = simulator.run_bench(trace, args.scope, args.capacity, args.policies,
+                                 DEVICES[args.device], MODEL_SHAPES[shape_name], jobs=args.jobs,
+                                 progress=not args.quiet)
+    print(simulator.format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        simulator.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_trace_record(args) -> int:
+    from flashmoe.trace_record import record_trace
+
+    trace = record_trace(args.model, args.prompts, args.out, max_new_tokens=args.max_new_tokens)
+    print(f"{args.out}: {trace.n_sequences} sequences, {trace.n_tokens} decode tokens, "
+          f"{trace.num_layers} MoE layers x top-{trace.top_k} of {trace.num_experts} experts")
+    return 0
+
+
 def cmd_config(args) -> int:
     if args.fields:
         for row in describe_fields():
@@ -148,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", type=_csv(str), default=["uring"],
                    help="uring, pread or auto; comma-separated for several")
     p.add_argument("--depth", type=_csv(int), default=[8], help="queue depth(s), e.g. 1,8,32")
-    p.add_argument("--repeat", type=int, default=3, help="passes per figure (median)")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved passes per figure (median)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio ceiling")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=cmd_io_bench)
@@ -185,6 +224,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=".flashmoe/demo")
     p.add_argument("--store-mib", type=int, default=256, help="approximate store size")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="replay a routing trace through cache policies")
+    p.add_argument("--trace", default="gptoss20b:eval",
+                   help="gptoss20b:train|eval|all, warp:olmoe|kimi, or a trace file")
+    p.add_argument("--scope", choices=("global", "layer"), default="global")
+    p.add_argument("--capacity", type=_csv(float), default=[0.0625, 0.125, 0.25, 0.5],
+                   help="fractions of the experts (of one layer in the layer scope)")
+    p.add_argument("--policies", type=_csv(str),
+                   default=["lru", "arc", "lirs", "car", "s3fifo", "sieve", "belady"])
+    p.add_argument("--device", choices=sorted(DEVICE_NAMES), default="orin-980pro")
+    p.add_argument("--model", help="model-shape profile for expert bytes (default: the trace's)")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: cores)")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("trace", help="routing traces")
+    trace_sub = p.add_subparsers(dest="trace_command", required=True)
+    p = trace_sub.add_parser("record", help="record a transformers MoE model's router decisions")
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL: {\"text\": ...} (needs a tokenizer) or {\"input_ids\": [...]}")
+    p.add_argument("--out", required=True, help="trace file to write (.npz)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_trace_record)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

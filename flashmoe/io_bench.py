@@ -3,7 +3,7 @@ compare with the device ceiling that fio measures on the same stripe files.
 
 Per (engine, depth) it reports MB/s, p50/p99 per-expert read latency (first block submitted ->
 last block completed, under the benchmark's load), the fio ceiling at the same block size and
-queue depth, and their ratio. Each figure is the median of ``repeat`` passes.
+queue depth, and their ratio. Each figure is the median of ``repeat`` interleaved passes.
 """
 
 from __future__ import annotations
@@ -87,35 +87,42 @@ def run_pass(store: ExpertStore, engine, n_slots: int, rng: np.random.Generator)
     return nbytes / elapsed / 1e6, latencies, nbytes
 
 
-def io_bench(store_path: str, engines: list[str], depths: list[int], repeat: int = 3,
+def io_bench(store_path: str, engines: list[str], depths: list[int], repeat: int = 5,
              seed: int = 0, with_fio: bool = True) -> list[IOBenchResult]:
+    """Per depth, ``repeat`` rounds of (fio, then each engine), interleaved so that a shared
+    disk's drifting speed hits every contender alike; figures are per-contender medians."""
     store = ExpertStore.open(store_path)
     rng = np.random.default_rng(seed)
+    total = sum(int(store.read_ops(*k, slot=0)["length"].sum()) for k in store.keys())
     results = []
     for depth in depths:
         # Slots are reused round-robin; more slots than reads in flight keeps passes race-free.
         n_slots = min(max(2 * depth, 16), len(store.keys()))
         arena = Arena.create(n_slots, store.manifest.slot_bytes, prefix="flashmoe-iobench")
+        opened = []
         try:
-            total = sum(int(store.read_ops(*k, slot=0)["length"].sum()) for k in store.keys())
-            ceilings = [fio_ceiling(store, depth, total) for _ in range(repeat)] if with_fio else []
-            ceiling = statistics.median(ceilings) if ceilings and None not in ceilings else None
             for kind in engines:
-                engine, reason = open_engine(kind, arena.mmap, arena.slot_bytes, n_slots,
-                                             store.stripe_paths, depth)
-                try:
-                    passes = [run_pass(store, engine, n_slots, rng) for _ in range(repeat)]
-                finally:
-                    engine.close()
-                mb = statistics.median(p[0] for p in passes)
-                lat = np.concatenate([p[1] for p in passes])
-                results.append(IOBenchResult(
-                    engine.name, store.manifest.block_size, depth, round(mb, 1),
-                    round(float(np.percentile(lat, 50)), 1), round(float(np.percentile(lat, 99)), 1),
-                    round(ceiling, 1) if ceiling else None,
-                    round(mb / ceiling, 3) if ceiling else None, passes[0][2], len(store.keys())))
+                opened.append(open_engine(kind, arena.mmap, arena.slot_bytes, n_slots,
+                                          store.stripe_paths, depth)[0])
+            ceilings, passes = [], {i: [] for i in range(len(opened))}
+            for _ in range(repeat):
+                if with_fio:
+                    ceilings.append(fio_ceiling(store, depth, total))
+                for i, engine in enumerate(opened):
+                    passes[i].append(run_pass(store, engine, n_slots, rng))
         finally:
+            for engine in opened:
+                engine.close()
             arena.close()
+        ceiling = statistics.median(ceilings) if ceilings and None not in ceilings else None
+        for i, engine in enumerate(opened):
+            mb = statistics.median(p[0] for p in passes[i])
+            lat = np.concatenate([p[1] for p in passes[i]])
+            results.append(IOBenchResult(
+                engine.name, store.manifest.block_size, depth, round(mb, 1),
+                round(float(np.percentile(lat, 50)), 1), round(float(np.percentile(lat, 99)), 1),
+                round(ceiling, 1) if ceiling else None,
+                round(mb / ceiling, 3) if ceiling else None, passes[i][0][2], len(store.keys())))
     return results
 
 
