@@ -36,8 +36,9 @@ def tiny_config(family: str, layers: int = 2, experts: int = 8, top_k: int = 2,
     return config_cls(**common, num_local_experts=experts, intermediate_size=expert_intermediate)
 
 
-def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, **shape) -> Path:
-    """Save a random-weight bf16 model of ``family`` to ``out_dir``; returns the folder."""
+def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16",
+                     **shape) -> Path:
+    """Save a random-weight model of ``family`` (bf16 by default) to ``out_dir``."""
     import torch
     import transformers
 
@@ -45,7 +46,7 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, **shape) -
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILY_CLASSES[family][1])
     with torch.device("cpu"):
-        model = model_cls(config).to(torch.bfloat16)
+        model = model_cls(config).to(getattr(torch, dtype))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     return out_dir

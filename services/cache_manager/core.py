@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .policies import EvictionPolicy, make_policy
+from .policies import EvictionPolicy, PolicyError, make_policy, needs_future
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -36,6 +36,9 @@ class CacheManagerCore:
                  n_layers: int | None = None) -> None:
         if scope not in ("global", "layer"):
             raise ValueError(f"scope must be global or layer, got {scope!r}")
+        if needs_future(policy):
+            raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
+                              f"simulator (`flashmoe bench`) can run it")
         self.known = known
         self.n_slots = n_slots
         self.scope = scope
@@ -71,7 +74,7 @@ class CacheManagerCore:
 
     def _make_room(self, key: ExpertKey) -> int:
         policy = self._policy(key)
-        if self.free_slots and len(policy) + self._loading_in(policy) < policy.capacity:
+        if self.free_slots and len(policy) < policy.capacity:
             return self.free_slots.pop()
         victim = policy.victim(self.pin_count)
         if victim is None:
@@ -81,9 +84,6 @@ class CacheManagerCore:
         policy.on_evict(victim)
         self.stats["n_evict"] += 1
         return self.slot_of.pop(victim)
-
-    def _loading_in(self, policy: EvictionPolicy) -> int:
-        return sum(1 for key in self.loading if self._policy(key) is policy)
 
     def acquire(self, worker: bytes, layer: int, experts: list[int]) -> AcquirePlan:
         """Plan an acquire; the worker's previous pins are dropped first."""
@@ -106,7 +106,12 @@ class CacheManagerCore:
                     self._policy(key).on_hit(key)
                 else:
                     self.stats["n_miss"] += 1
+                    policy = self._policy(key)
+                    policy.on_miss(key)
                     slot = self._make_room(key)
+                    # In the policy from now on (pinned, so never a victim) so that a policy's
+                    # per-miss state is consumed before the next miss of this request.
+                    policy.on_insert(key)
                     self.loading.add(key)
                     plan.loads.append((key, slot))
                 self._pin(worker, key)
@@ -115,6 +120,7 @@ class CacheManagerCore:
         except AcquireFailed:
             for key, slot in plan.loads:
                 self.loading.discard(key)
+                self._policy(key).on_evict(key)
                 self.free_slots.append(slot)
             self.release(worker)
             raise
@@ -125,9 +131,9 @@ class CacheManagerCore:
         self.loading.discard(key)
         if ok:
             self.slot_of[key] = slot
-            self._policy(key).on_insert(key)
         else:
             self.stats["n_load_failed"] += 1
+            self._policy(key).on_evict(key)
             self.free_slots.append(slot)
 
     def resident(self) -> int:

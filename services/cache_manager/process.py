@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 
 from common.arena import Arena
-from common.config import FlashMoEConfig
+from common.config import ConfigError, FlashMoEConfig
 from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Decoder, Hello,
                              ProtocolError, Ready, Rejected, Release, Released, StatsRep,
                              StatsReq, WorkerToCache, encode)
@@ -30,6 +30,7 @@ from common.store import ChecksumError, ExpertStore
 
 from .core import AcquireFailed, CacheManagerCore
 from .io_engine import IOEngineError, open_engine
+from .policies import PolicyError
 
 log = logging.getLogger("flashmoe.cache_manager")
 POLL_MS = 100
@@ -61,8 +62,14 @@ class CacheManager:
         log.info("IO engine: %s (depth %d)%s", self.engine.name, config.io.queue_depth,
                  f"; fallback because {self.engine_fallback_reason}"
                  if self.engine_fallback_reason else "")
-        self.core = CacheManagerCore(set(self.store.keys()), n_slots, config.cache.policy,
-                                     scope=config.cache.scope)
+        try:
+            self.core = CacheManagerCore(set(self.store.keys()), n_slots, config.cache.policy,
+                                         scope=config.cache.scope)
+        except (PolicyError, ValueError) as exc:
+            self.engine.close()
+            self.arena.close()
+            raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.scope = "
+                              f"{config.cache.scope!r}: {exc}") from None
         self.decoder = Decoder(WorkerToCache, max_bytes=config.ipc.max_message_bytes)
         self.ctx = zmq.Context()
         self.recv_from_workers = self.ctx.socket(zmq.ROUTER)

@@ -89,3 +89,24 @@ def test_worker_config_digest_reaches_the_manager(tiny_store, start_manager):
     with CacheClient(manager.endpoint, config=config) as client:
         assert client.ready.n_slots == 64 and client.ready.slot_bytes % 4096 == 0
         assert client.ready.config_digest == config.digest()
+
+
+@pytest.mark.parametrize("policy", ["arc", "s3fifo", "lirs", "car", "sieve", "lfu", "fifo"])
+def test_live_manager_runs_any_registered_policy(policy, tiny_store, start_manager):
+    manager = start_manager(tiny_store, f"cache.policy={policy}", "cache.capacity_experts=5")
+    with CacheClient(manager.endpoint) as client:
+        rng = random.Random(0)
+        for _ in range(60):
+            client.acquire(rng.choice([0, 1]), rng.sample(range(8), 2))
+        stats = client.stats()
+    assert stats["policy"] == policy and stats["n_evict"] > 0
+    assert stats["n_hit"] + stats["n_miss"] == 120 and stats["resident"] <= 5
+
+
+@pytest.mark.parametrize("policy, words", [("nope", "unknown policy"),
+                                           ("belady", "needs future knowledge")])
+def test_bad_policy_fails_at_start_naming_the_setting(policy, words, tiny_store, start_manager):
+    manager = start_manager(tiny_store, f"cache.policy={policy}")
+    assert manager.proc.wait(30) != 0
+    log = manager.log()
+    assert "cache.policy" in log and words in log

@@ -3,7 +3,7 @@
 import pytest
 
 from services.cache_manager.core import AcquireFailed, CacheManagerCore
-from services.cache_manager.policies import POLICIES, PolicyError, make_policy
+from services.cache_manager.policies import POLICIES, PolicyError, make_policy, needs_future
 
 KNOWN = {(layer, expert) for layer in range(2) for expert in range(8)}
 W1, W2 = b"w1", b"w2"
@@ -79,6 +79,8 @@ def test_layer_scope_gives_each_layer_its_own_budget():
 def test_registry_builds_every_policy_and_rejects_unknown():
     for name in POLICIES:
         policy = make_policy(name, 4)
+        if needs_future(name):
+            policy.set_next_use(7)
         policy.on_insert("a")
         assert "a" in policy and policy.victim() == "a"
     with pytest.raises(PolicyError, match="unknown policy"):

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from .arc import ARCPolicy
 from .base import EvictionPolicy, PolicyError, build_params
+from .belady import BeladyPolicy
+from .car import CARPolicy
+from .fifo import FIFOPolicy
+from .lfu import LFUPolicy
+from .lirs import LIRSPolicy
 from .lru import LRUPolicy
+from .s3fifo import S3FIFOPolicy
+from .sieve import SIEVEPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy,)
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, ARCPolicy, LIRSPolicy, CARPolicy,
+                              S3FIFOPolicy, SIEVEPolicy, BeladyPolicy)
 }
 
 
@@ -20,4 +29,9 @@ def make_policy(name: str, capacity: int, params: Mapping[str, Any] | None = Non
     return cls(capacity, build_params(cls, params))
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "PolicyError", "make_policy"]
+def needs_future(name: str) -> bool:
+    """True for oracle policies (Belady) that only the trace simulator can drive."""
+    return bool(getattr(POLICIES.get(name), "needs_future", False))
+
+
+__all__ = ["POLICIES", "EvictionPolicy", "PolicyError", "make_policy", "needs_future"]

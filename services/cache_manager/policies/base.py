@@ -1,9 +1,18 @@
 """The eviction-policy interface shared by the live cache manager and the trace simulator.
 
-A policy only keeps order: it is told about hits, insertions and evictions, and asked to
-*choose* a victim; the cache that owns it decides when to evict and carries it out (deciding is
-separate from acting, as in libCacheSim). Keys are hashable (``(layer, expert)`` tuples in the
-cache manager). Pinned keys are never chosen.
+A policy only keeps order: it is told about hits, misses, insertions and evictions, and asked
+to *choose* a victim; the cache that owns it decides when to evict and carries it out (deciding
+is separate from acting, as in libCacheSim). Keys are hashable (``(layer, expert)`` tuples in
+the cache manager, ints in the simulator). Pinned keys are never chosen.
+
+The protocol of one request for key x, which ``request`` implements and the live cache manager
+follows step by step:
+
+    if x in policy:  policy.on_hit(x)                      -> hit
+    else:            policy.on_miss(x)                     (ghost bookkeeping, adaptation)
+                     while len(policy) >= capacity:
+                         v = policy.victim(pinned); policy.on_evict(v)
+                     policy.on_insert(x)                   -> miss
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ class EvictionPolicy(ABC):
     def on_hit(self, key: Key) -> None:
         """A resident key was requested."""
 
+    def on_miss(self, key: Key) -> None:
+        """A non-resident key was requested; called before room is made for it."""
+
     @abstractmethod
     def on_insert(self, key: Key) -> None:
         """A missed key became resident (the cache made room first)."""
@@ -58,6 +70,21 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_evict(self, key: Key) -> None:
         """The cache removed ``key`` (normally the chosen victim)."""
+
+    def request(self, key: Key, pinned: Container[Key] = NOTHING_PINNED) -> bool:
+        """One whole request (the protocol above); True on a hit. Policies may override it
+        with a fused fast path that must give the same decisions (tests check that)."""
+        if key in self:
+            self.on_hit(key)
+            return True
+        self.on_miss(key)
+        while len(self) >= self.capacity:
+            victim = self.victim(pinned)
+            if victim is None:
+                raise PolicyError(f"{self.name}: every resident key is pinned")
+            self.on_evict(victim)
+        self.on_insert(key)
+        return False
 
 
 def build_params(policy_cls: type[EvictionPolicy], values: Mapping[str, Any] | None) -> Any:

@@ -32,10 +32,20 @@ class LRUPolicy(EvictionPolicy):
         self._order[key] = None
 
     def victim(self, pinned: Container[Key] = NOTHING_PINNED) -> Key | None:
-        for key in self._order:
-            if key not in pinned:
-                return key
-        return None
+        return next((key for key in self._order if key not in pinned), None)
 
     def on_evict(self, key: Key) -> None:
         del self._order[key]
+
+    def request(self, key: Key, pinned: Container[Key] = NOTHING_PINNED) -> bool:
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+            return True
+        if len(order) >= self.capacity:
+            if pinned:
+                del order[self.victim(pinned)]
+            else:
+                order.popitem(last=False)
+        order[key] = None
+        return False

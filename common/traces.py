@@ -1,0 +1,181 @@
+"""Expert-routing traces: the shared real traces and FlashMoE's own recorded format.
+
+A ``Trace`` is the router's choice per decode token and MoE layer: ``experts`` of shape
+(tokens, layers, top_k), sequences delimited by ``offsets`` (sequence i is rows
+``offsets[i]:offsets[i+1]``), optionally the router ``probs`` of the same shape.
+
+Shared traces (read from ``../shared/traces``, never copied into the project):
+  - ``gptoss20b[:split]``: openai/gpt-oss-20b; split ``train``, ``eval`` or ``all``;
+    sequences with ``has_repetition`` are always dropped (the README's rule for reported numbers).
+  - ``warp:olmoe``, ``warp:kimi``: the two small warp traces (one sequence each).
+
+FlashMoE trace file format (``*.npz``, written by ``flashmoe trace record``; version 1):
+  - ``experts``: int16 (tokens, layers, top_k), expert ids in the router's top-k order;
+  - ``offsets``: int64 (sequences + 1,), ``offsets[0] == 0``, ``offsets[-1] == tokens``;
+  - ``probs``: float16 (tokens, layers, top_k), optional, router probabilities of those experts;
+  - ``meta``: a 0-d unicode array holding JSON: ``{"format": "flashmoe-trace", "version": 1,
+    "model": <model name or path>, "model_type": ..., "num_experts": E, "moe_layers": [...],
+    "sequences": [{...per-sequence info, e.g. prompt_tokens...}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TRACE_FORMAT = "flashmoe-trace"
+TRACE_VERSION = 1
+DEFAULT_TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+
+GPTOSS_TRAIN = ("mmlu_dev", "mmlu_validation", "gpqa_main", "sorry_bench_base")
+GPTOSS_EVAL = ("mmlu_test", "mmlu_pro_test", "mmlu_pro_validation", "gpqa_diamond",
+               "gpqa_extended", "Polyglot-or-Not_Fact-Completion", "tulu3_persona_if")
+WARP_FILES = {"olmoe": ("trace_olmoe_299.jsonl", 64, "olmoe-1b-7b"),
+              "kimi": ("trace_kimi_300.jsonl", 256, "kimi-linear-48b-a3b")}
+
+
+class TraceError(ValueError):
+    """A trace is missing, malformed, or named wrongly."""
+
+
+@dataclass
+class Trace:
+    name: str
+    experts: np.ndarray  # (tokens, layers, top_k) int16
+    offsets: np.ndarray  # (sequences + 1,) int64
+    num_experts: int
+    model: str  # model-shape profile name or model path
+    probs: np.ndarray | None = None
+    sequences: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.experts.ndim != 3:
+            raise TraceError(f"{self.name}: experts must be (tokens, layers, top_k)")
+        if (self.offsets[0] != 0 or self.offsets[-1] != len(self.experts)
+                or np.any(np.diff(self.offsets) < 0)):
+            raise TraceError(f"{self.name}: offsets do not delimit the tokens")
+        if self.experts.size and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
+            raise TraceError(f"{self.name}: expert ids outside [0, {self.num_experts})")
+
+    @property
+    def n_tokens(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[2]
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def n_requests(self) -> int:
+        return self.experts.size
+
+
+def _select_sequences(name: str, experts: np.ndarray, offsets: np.ndarray, keep: np.ndarray,
+                      probs: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    lengths = np.diff(offsets)[keep]
+    rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)])
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return experts[rows], new_offsets, (probs[rows] if probs is not None else None)
+
+
+def load_gptoss20b(split: str = "eval", traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
+    folder = Path(traces_dir) / "gptoss20b"
+    if split not in ("train", "eval", "all"):
+        raise TraceError(f"gptoss20b split {split!r}: choose train, eval or all")
+    if not (folder / "routing.npz").is_file():
+        raise TraceError(f"{folder}: gpt-oss-20b traces not found (expected routing.npz and "
+                         f"meta.jsonl from ../shared/traces)")
+    with np.load(folder / "routing.npz") as z:
+        experts, probs, offsets = z["experts"], z["probs"], z["offsets"]
+    meta = [json.loads(line) for line in (folder / "meta.jsonl").read_text().splitlines() if line]
+    if len(meta) != len(offsets) - 1:
+        raise TraceError(f"{folder}: {len(meta)} meta rows for {len(offsets) - 1} sequences")
+    datasets = {"train": GPTOSS_TRAIN, "eval": GPTOSS_EVAL,
+                "all": GPTOSS_TRAIN + GPTOSS_EVAL}[split]
+    keep = np.array([not m["has_repetition"] and m["dataset"] in datasets for m in meta])
+    unknown = {m["dataset"] for m in meta} - set(GPTOSS_TRAIN + GPTOSS_EVAL)
+    if unknown:
+        raise TraceError(f"{folder}: datasets in no split: {sorted(unknown)}")
+    experts, offsets, probs = _select_sequences("gptoss20b", experts, offsets, keep, probs)
+    sequences = [{k: m[k] for k in ("dataset", "category", "n_decode_tokens", "first_token_pos",
+                                    "generated_only")}
+                 for m, k_ in zip(meta, keep) if k_]
+    return Trace(f"gptoss20b:{split}", experts.astype(np.int16), offsets, 32, "gpt-oss-20b",
+                 probs, sequences)
+
+
+def load_warp(which: str, traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
+    if which not in WARP_FILES:
+        raise TraceError(f"warp trace {which!r}: choose {', '.join(WARP_FILES)}")
+    filename, num_experts, model = WARP_FILES[which]
+    path = Path(traces_dir) / "warp" / filename
+    if not path.is_file():
+        raise TraceError(f"{path}: warp trace not found (from ../shared/traces)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line)["layers"])
+        except (ValueError, KeyError) as exc:
+            raise TraceError(f"{path}:{n}: malformed row: {exc}") from None
+    experts = np.asarray(rows, dtype=np.int16)
+    return Trace(f"warp:{which}", experts, np.array([0, len(experts)], dtype=np.int64),
+                 num_experts, model)
+
+
+def save_trace(trace: Trace, path: str | Path, model_type: str = "",
+               moe_layers: list[int] | None = None) -> None:
+    meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": trace.model,
+            "model_type": model_type, "num_experts": trace.num_experts,
+            "moe_layers": moe_layers if moe_layers is not None else list(range(trace.num_layers)),
+            "sequences": trace.sequences}
+    arrays = {"experts": trace.experts.astype(np.int16), "offsets": trace.offsets.astype(np.int64),
+              "meta": np.array(json.dumps(meta))}
+    if trace.probs is not None:
+        arrays["probs"] = trace.probs.astype(np.float16)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(path)
+
+
+def load_trace_file(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            experts, offsets = z["experts"], z["offsets"]
+            probs = z["probs"] if "probs" in z.files else None
+    except (OSError, KeyError, ValueError) as exc:
+        raise TraceError(f"{path}: not a FlashMoE trace file: {exc}") from None
+    if meta.get("format") != TRACE_FORMAT or meta.get("version") != TRACE_VERSION:
+        raise TraceError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}"
+                         f", expected {TRACE_FORMAT!r} version {TRACE_VERSION}")
+    return Trace(path.name, experts.astype(np.int16), offsets.astype(np.int64),
+                 int(meta["num_experts"]), str(meta.get("model", "")), probs,
+                 list(meta.get("sequences", [])))
+
+
+def load_trace(spec: str, traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
+    """``gptoss20b:eval``, ``gptoss20b:train``, ``warp:olmoe``, ``warp:kimi``, or a file path."""
+    source, _, variant = spec.partition(":")
+    if source == "gptoss20b":
+        return load_gptoss20b(variant or "eval", traces_dir)
+    if source == "warp":
+        return load_warp(variant, traces_dir)
+    if Path(spec).is_file():
+        return load_trace_file(spec)
+    raise TraceError(f"unknown trace {spec!r}: use gptoss20b:train|eval|all, warp:olmoe|kimi, "
+                     f"or the path of a FlashMoE trace file")

@@ -1,0 +1,21 @@
+"""Hit counts of every policy at several capacities on the warp OLMoE trace, against the
+committed goldens (regenerate deliberately: `python -m tests.goldens.regenerate --write`)."""
+
+import json
+
+import pytest
+
+from common.traces import DEFAULT_TRACES_DIR
+from tests.goldens.regenerate import GOLDEN_PATH, compute
+
+pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "warp").is_dir(),
+                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+
+
+def test_goldens_on_warp_olmoe():
+    committed = json.loads(GOLDEN_PATH.read_text())
+    assert compute() == committed
+    hits = committed["hits"]
+    for scope in ("global", "layer"):
+        for capacity, by_policy in hits[scope].items():
+            assert max(by_policy.values()) == by_policy["belady"], (scope, capacity)

@@ -1,0 +1,85 @@
+"""The trace simulator: request model, next-use oracle, metrics."""
+
+import numpy as np
+import pytest
+
+from common.traces import Trace, TraceError
+from flashmoe.device_model import DEVICES, MODEL_SHAPES
+from flashmoe.simulator import (build_requests, capacity_for, next_use_positions, replay,
+                                run_bench)
+from services.cache_manager.policies import make_policy
+
+
+def tiny_trace():
+    rng = np.random.default_rng(1)
+    experts = np.stack([np.stack([rng.choice(8, size=2, replace=False) for _ in range(3)])
+                        for _ in range(30)]).astype(np.int16)
+    return Trace("tiny", experts, np.array([0, 10, 30]), 8, "olmoe-1b-7b")
+
+
+def test_global_requests_are_token_then_layer_major():
+    trace = tiny_trace()
+    req = build_requests(trace, "global")
+    t, layer, k = 4, 2, 1
+    i = (t * 3 + layer) * 2 + k
+    assert req.keys[i] == layer * 8 + trace.experts[t, layer, k]
+    assert req.token_layer[i] == t * 3 + layer and list(req.starts) == [0, 30 * 3 * 2]
+
+
+def test_layer_requests_reset_per_sequence_and_layer():
+    trace = tiny_trace()
+    req = build_requests(trace, "layer")
+    assert len(req.starts) - 1 == 2 * 3  # sequences x layers
+    first = req.keys[req.starts[0]:req.starts[1]]
+    assert np.array_equal(first, trace.experts[0:10, 0, :].reshape(-1))
+    second_seq_layer2 = req.keys[req.starts[5]:req.starts[6]]
+    assert np.array_equal(second_seq_layer2, trace.experts[10:30, 2, :].reshape(-1))
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_next_use_matches_brute_force_within_each_cache_lifetime(scope):
+    req = build_requests(tiny_trace(), scope)
+    nxt = next_use_positions(req)
+    keys, starts = req.keys.tolist(), req.starts.tolist()
+    for a, b in zip(starts[:-1], starts[1:]):
+        for i in range(a, b):
+            later = [j for j in range(i + 1, b) if keys[j] == keys[i]]
+            assert nxt[i] == (later[0] if later else 1 << 62)
+
+
+def test_replay_equals_a_plain_loop_over_fresh_caches():
+    trace = tiny_trace()
+    req = build_requests(trace, "layer")
+    hits = replay("lru", 2, req)
+    expected = []
+    for a, b in zip(req.starts[:-1], req.starts[1:]):
+        cache = make_policy("lru", 2)
+        expected += [cache.request(int(k)) for k in req.keys[a:b]]
+    assert hits.tolist() == expected
+
+
+def test_capacity_rounds_down_like_the_readme():
+    trace = Trace("g", np.zeros((1, 24, 4), np.int16), np.array([0, 1]), 32, "gpt-oss-20b")
+    assert capacity_for(0.0625, trace, "global") == 48
+    assert capacity_for(0.0625, trace, "layer") == 2
+    with pytest.raises(TraceError, match="at least one expert"):
+        capacity_for(0.01, trace, "layer")
+
+
+def test_bench_report_keys_gap_and_device_model():
+    report = run_bench(tiny_trace(), "global", [0.25, 0.5], ["lru", "arc", "belady"],
+                       DEVICES["orin-980pro"], MODEL_SHAPES["olmoe-1b-7b"], jobs=2,
+                       progress=False)
+    rows = report["results"]
+    assert len(rows) == 6
+    for row in rows:
+        assert {"policy", "scope", "capacity", "capacity_fraction", "accesses", "hits",
+                "hit_rate", "ssd_bytes", "gap_closed", "ms_per_token",
+                "ssd_mb_per_s"} <= set(row)
+        assert row["ssd_bytes"] == (row["accesses"] - row["hits"]) * MODEL_SHAPES["olmoe-1b-7b"].expert_bytes
+    by = {(r["policy"], r["capacity"]): r for r in rows}
+    for cap in (6, 12):
+        assert by[("lru", cap)]["gap_closed"] == 0 and by[("belady", cap)]["gap_closed"] == 1
+        assert by[("belady", cap)]["ms_per_token"] <= by[("lru", cap)]["ms_per_token"]
+    compute = DEVICES["orin-980pro"].compute_ms_per_layer(MODEL_SHAPES["olmoe-1b-7b"])
+    assert all(r["ms_per_token"] >= 3 * compute for r in rows)
