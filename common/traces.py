@@ -81,7 +81,7 @@ class Trace:
         return self.experts.size
 
 
-def _select_sequences(name: str, experts: np.ndarray, offsets: np.ndarray, keep: np.ndarray,
+def _select_sequences(experts: np.ndarray, offsets: np.ndarray, keep: np.ndarray,
                       probs: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     lengths = np.diff(offsets)[keep]
     rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)])
@@ -107,7 +107,7 @@ def load_gptoss20b(split: str = "eval", traces_dir: Path = DEFAULT_TRACES_DIR) -
     unknown = {m["dataset"] for m in meta} - set(GPTOSS_TRAIN + GPTOSS_EVAL)
     if unknown:
         raise TraceError(f"{folder}: datasets in no split: {sorted(unknown)}")
-    experts, offsets, probs = _select_sequences("gptoss20b", experts, offsets, keep, probs)
+    experts, offsets, probs = _select_sequences(experts, offsets, keep, probs)
     sequences = [{k: m[k] for k in ("dataset", "category", "n_decode_tokens", "first_token_pos",
                                     "generated_only")}
                  for m, k_ in zip(meta, keep) if k_]

@@ -146,13 +146,12 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
     results = []
     for fraction in fractions:
         capacity = capacities[fraction]
-        counts = {p: int(np.unpackbits(hits_of[(p, capacity)], count=n).sum()) for p in policies}
+        hits = {p: np.unpackbits(hits_of[(p, capacity)], count=n).astype(bool) for p in policies}
+        counts = {p: int(h.sum()) for p, h in hits.items()}
         for policy in policies:
-            hits = np.unpackbits(hits_of[(policy, capacity)], count=n).astype(bool)
-            misses = np.bincount(requests.token_layer[~hits],
+            misses = np.bincount(requests.token_layer[~hits[policy]],
                                  minlength=requests.n_tokens * requests.n_layers)
-            step_ms = token_time_ms(misses, device, shape)
-            total_ms = float(step_ms.sum())
+            total_ms = float(token_time_ms(misses, device, shape).sum())
             ssd_bytes = int((n - counts[policy]) * shape.expert_bytes)
             gap = None
             if "lru" in counts and "belady" in counts and counts["belady"] != counts["lru"]:
