@@ -32,8 +32,7 @@ class AcquirePlan:
 
 class CacheManagerCore:
     def __init__(self, known: set[ExpertKey], n_slots: int, policy: str = "lru",
-                 policy_params: dict | None = None, scope: str = "global",
-                 n_layers: int | None = None) -> None:
+                 policy_params: dict | None = None, scope: str = "global") -> None:
         if scope not in ("global", "layer"):
             raise ValueError(f"scope must be global or layer, got {scope!r}")
         if needs_future(policy):
