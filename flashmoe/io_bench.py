@@ -89,8 +89,9 @@ def run_pass(store: ExpertStore, engine, n_slots: int, rng: np.random.Generator)
 
 def io_bench(store_path: str, engines: list[str], depths: list[int], repeat: int = 5,
              seed: int = 0, with_fio: bool = True) -> list[IOBenchResult]:
-    """Per depth, ``repeat`` rounds of (fio, then each engine), interleaved so that a shared
-    disk's drifting speed hits every contender alike; figures are per-contender medians."""
+    """Per depth, ``repeat`` rounds in which fio and each engine run once, in a fresh random
+    order per round, so that a shared disk's drifting speed hits every contender alike; figures
+    are per-contender medians."""
     store = ExpertStore.open(store_path)
     rng = np.random.default_rng(seed)
     total = sum(int(store.read_ops(*k, slot=0)["length"].sum()) for k in store.keys())
@@ -105,11 +106,16 @@ def io_bench(store_path: str, engines: list[str], depths: list[int], repeat: int
                 opened.append(open_engine(kind, arena.mmap, arena.slot_bytes, n_slots,
                                           store.stripe_paths, depth)[0])
             ceilings, passes = [], {i: [] for i in range(len(opened))}
+            contenders = list(range(len(opened))) + ([-1] if with_fio else [])
             for _ in range(repeat):
-                if with_fio:
-                    ceilings.append(fio_ceiling(store, depth, total))
-                for i, engine in enumerate(opened):
-                    passes[i].append(run_pass(store, engine, n_slots, rng))
+                # A new order each round: this kind of disk bursts, then throttles, so a fixed
+                # order would favour whoever runs first.
+                for i in rng.permutation(contenders):
+                    if i < 0:
+                        ceilings.append(fio_ceiling(store, depth, total))
+                    else:
+                        passes[i].append(run_pass(store, engine=opened[i], n_slots=n_slots,
+                                                  rng=rng))
         finally:
             for engine in opened:
                 engine.close()
