@@ -283,7 +283,3 @@ class ExpertStore:
         finally:
             for f in files:
                 f.close()
-
-    def expert_bytes_view(self, data: memoryview, layer: int, expert: int) -> dict[str, memoryview]:
-        """Each projection's bytes inside an expert's slot (no copy)."""
-        return {t.name: data[t.offset:t.offset + t.nbytes] for t in self.expert(layer, expert).tensors}

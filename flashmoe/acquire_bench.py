@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import shutil
 import time
 from pathlib import Path
 
@@ -98,9 +99,10 @@ def acquire_bench(store_path: str, iterations: int = 20000, top_k: int | None = 
             client.acquire(layer, experts)  # load once; every timed acquire is all hits
             acquire = _time_loop(iterations, lambda: client.acquire(layer, experts))
             stats = client.stats()
+        transport = transport_floor_us(iterations, runtime)
     finally:
         stop_process(proc)
-    transport = transport_floor_us(iterations, runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
     core = core_only_us(store, layer, experts, iterations)
     return {"store": str(store_path), "layer": layer, "experts_per_acquire": len(experts),
             "iterations": iterations, **summary(acquire),

@@ -36,10 +36,13 @@ def test_every_expert_reads_back_bit_identical(family, tiny_checkpoints, tmp_pat
             got = arena.torch_views(0, store.expert(layer, expert))
             want = expected_expert_tensors(ckpt, store, layer, expert)
             assert set(got) == set(want) and len(got) == 3
+            raw = arena.numpy_views(0, store.expert(layer, expert))  # bf16 as raw uint16
             for name in want:
                 assert got[name].dtype == want[name].dtype == torch.bfloat16
                 assert torch.equal(got[name].view(torch.int16), want[name].view(torch.int16))
-            del got
+                assert raw[name].shape == tuple(want[name].shape)
+                assert raw[name].tobytes() == want[name].view(torch.int16).numpy().tobytes()
+            del got, raw
     finally:
         engine.close()
         arena.close()
