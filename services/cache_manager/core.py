@@ -55,7 +55,6 @@ class CacheManagerCore:
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.pins: dict[bytes, list[ExpertKey]] = {}
         self.pin_count: Counter[ExpertKey] = Counter()
-        self.loading: set[ExpertKey] = set()
         self.stats = Counter(n_hit=0, n_miss=0, n_evict=0, n_load_failed=0)
 
     def _policy(self, key: ExpertKey) -> EvictionPolicy:
@@ -111,14 +110,12 @@ class CacheManagerCore:
                     # In the policy from now on (pinned, so never a victim) so that a policy's
                     # per-miss state is consumed before the next miss of this request.
                     policy.on_insert(key)
-                    self.loading.add(key)
                     plan.loads.append((key, slot))
                 self._pin(worker, key)
                 planned[key] = slot
                 plan.slots.append(slot)
         except AcquireFailed:
             for key, slot in plan.loads:
-                self.loading.discard(key)
                 self._policy(key).on_evict(key)
                 self.free_slots.append(slot)
             self.release(worker)
@@ -127,7 +124,6 @@ class CacheManagerCore:
 
     def finish_load(self, key: ExpertKey, slot: int, ok: bool) -> None:
         """A planned load ended; on success the expert becomes resident in ``slot``."""
-        self.loading.discard(key)
         if ok:
             self.slot_of[key] = slot
         else:

@@ -51,6 +51,13 @@ class CacheManager:
         self.config = config
         self.store = ExpertStore.open(config.store.path)
         n_slots = config.cache.capacity_experts
+        # The core first: a bad policy or scope fails before any arena or ring exists.
+        try:
+            self.core = CacheManagerCore(set(self.store.keys()), n_slots, config.cache.policy,
+                                         scope=config.cache.scope)
+        except (PolicyError, ValueError) as exc:
+            raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.scope = "
+                              f"{config.cache.scope!r}: {exc}") from None
         self.arena = Arena.create(n_slots, self.store.manifest.slot_bytes)
         try:
             self.engine, self.engine_fallback_reason = open_engine(
@@ -62,14 +69,6 @@ class CacheManager:
         log.info("IO engine: %s (depth %d)%s", self.engine.name, config.io.queue_depth,
                  f"; fallback because {self.engine_fallback_reason}"
                  if self.engine_fallback_reason else "")
-        try:
-            self.core = CacheManagerCore(set(self.store.keys()), n_slots, config.cache.policy,
-                                         scope=config.cache.scope)
-        except (PolicyError, ValueError) as exc:
-            self.engine.close()
-            self.arena.close()
-            raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.scope = "
-                              f"{config.cache.scope!r}: {exc}") from None
         self.decoder = Decoder(WorkerToCache, max_bytes=config.ipc.max_message_bytes)
         self.ctx = zmq.Context()
         self.recv_from_workers = self.ctx.socket(zmq.ROUTER)
