@@ -84,6 +84,15 @@ class LIRSPolicy(EvictionPolicy):
             del self.stack[old]
             del self.state[old]
 
+    def _push_resident_hir(self, key: Key) -> None:
+        """Top of S and end of Q as a resident HIR key."""
+        self.state[key] = HIR_RESIDENT
+        self._push(key)
+        self.queue.pop(key, None)
+        self.queue[key] = None
+        if not self.n_lir:  # no LIR key (capacity 1): S's bottom would be HIR
+            self._prune()
+
     def _demote_bottom_lir(self) -> None:
         self._prune()
         bottom = next(iter(self.stack))
@@ -106,31 +115,21 @@ class LIRSPolicy(EvictionPolicy):
             self.n_lir += 1
             self._demote_bottom_lir()
         else:
-            self._push(key)
-            self.queue.move_to_end(key)
-            if not self.n_lir:  # no LIR key (capacity 1): S's bottom would be HIR
-                self._prune()
+            self._push_resident_hir(key)
 
     def on_insert(self, key: Key) -> None:
-        state = self.state.get(key)
-        if self.n_lir < self.lir_capacity:
-            if state == HIR_NONRESIDENT:
+        in_stack = self.state.get(key) == HIR_NONRESIDENT
+        lir_set_full = self.n_lir >= self.lir_capacity
+        if not lir_set_full or in_stack:
+            if in_stack:
                 del self.nonresident[key]
             self.state[key] = LIR
             self.n_lir += 1
             self._push(key)
-        elif state == HIR_NONRESIDENT:
-            del self.nonresident[key]
-            self.state[key] = LIR
-            self.n_lir += 1
-            self._push(key)
-            self._demote_bottom_lir()
+            if lir_set_full:
+                self._demote_bottom_lir()
         else:
-            self.state[key] = HIR_RESIDENT
-            self._push(key)
-            self.queue[key] = None
-            if not self.n_lir:  # no LIR key (capacity 1): S's bottom would be HIR
-                self._prune()
+            self._push_resident_hir(key)
 
     def victim(self, pinned: Container[Key] = NOTHING_PINNED) -> Key | None:
         for key in self.queue:
