@@ -129,8 +129,6 @@ def cmd_bench(args) -> int:
     if shape_name not in MODEL_SHAPES:
         raise TraceError(f"no model-shape profile {shape_name!r} for the trace's model (choices: "
                          f"{', '.join(MODEL_SHAPES)}); pass --model")
-    for fraction in args.capacity:
-        simulator.capacity_for(fraction, trace, args.scope)
     report = simulator.run_bench(trace, args.scope, args.capacity, args.policies,
                                  DEVICES[args.device], MODEL_SHAPES[shape_name], jobs=args.jobs,
                                  progress=not args.quiet)

@@ -12,6 +12,7 @@ Belady's MIN is fed each request's next-use position (within the same cache's li
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -116,30 +117,25 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise PolicyError(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
+    capacities = {f: capacity_for(f, trace, scope) for f in fractions}  # fail before any work
     started = time.perf_counter()
     requests = build_requests(trace, scope)
     _SHARED["requests"] = requests
     if any(needs_future(p) for p in policies):
         _SHARED["next_use"] = next_use_positions(requests)
-    capacities = {f: capacity_for(f, trace, scope) for f in fractions}
     work = [(p, capacities[f]) for f in fractions for p in policies]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
     hits_of: dict[tuple[str, int], np.ndarray] = {}
     seconds: dict[tuple[str, int], float] = {}
-    with tqdm(total=len(work), desc=f"bench {trace.name} {scope}", unit="run",
-              disable=not progress) as bar:
-        if jobs == 1:
-            results = map(_run_job, work)
-            for policy, capacity, packed, secs in results:
-                hits_of[(policy, capacity)] = packed
-                seconds[(policy, capacity)] = secs
-                bar.update()
-        else:
-            with mp.get_context("fork").Pool(jobs) as pool:
-                for policy, capacity, packed, secs in pool.imap_unordered(_run_job, work):
-                    hits_of[(policy, capacity)] = packed
-                    seconds[(policy, capacity)] = secs
-                    bar.update()
+    pool = mp.get_context("fork").Pool(jobs) if jobs > 1 else None
+    with pool or contextlib.nullcontext(), tqdm(total=len(work), unit="run",
+                                                desc=f"bench {trace.name} {scope}",
+                                                disable=not progress) as bar:
+        runs = pool.imap_unordered(_run_job, work) if pool else map(_run_job, work)
+        for policy, capacity, packed, secs in runs:
+            hits_of[(policy, capacity)] = packed
+            seconds[(policy, capacity)] = secs
+            bar.update()
     _SHARED.clear()
 
     n = len(requests.keys)
