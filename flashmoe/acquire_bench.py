@@ -9,7 +9,6 @@ decision core's ``acquire`` alone, in-process.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import shutil
 import time
@@ -122,8 +121,3 @@ def format_table(result: dict) -> str:
             f"({result['experts_per_acquire']} experts per acquire, {result['iterations']} "
             f"iterations each)"]
     return "\n".join(rows)
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")

@@ -13,6 +13,7 @@ from common.safetensors_io import SafetensorsError
 from common.store import StoreError
 from common.traces import DEFAULT_TRACES_DIR, TraceError
 from flashmoe.device_model import DEVICES as DEVICE_NAMES
+from flashmoe.reports import write_json
 from services.cache_manager.policies import PolicyError
 
 USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError,
@@ -72,7 +73,7 @@ def cmd_io_bench(args) -> int:
                                 with_fio=not args.no_fio)
     print(io_bench.format_table(results))
     if args.json:
-        io_bench.write_json(results, args.json, args.store)
+        write_json(io_bench.report(results, args.store), args.json)
         print(f"wrote {args.json}")
     return 0
 
@@ -84,7 +85,7 @@ def cmd_acquire_bench(args) -> int:
                                          engine=args.engine)
     print(acquire_bench.format_table(result))
     if args.json:
-        acquire_bench.write_json(result, args.json)
+        write_json(result, args.json)
         print(f"wrote {args.json}")
     return 0
 
@@ -134,8 +135,7 @@ def cmd_bench(args) -> int:
                                  progress=not args.quiet)
     print(simulator.format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.plot:
         simulator.plot(report, args.plot)

@@ -9,7 +9,6 @@ go to ``<workdir>/results/``. Re-running reuses the model and store.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from common.traces import DEFAULT_TRACES_DIR, load_trace
 from flashmoe import acquire_bench, io_bench, simulator
 from flashmoe.convert import convert_checkpoint
 from flashmoe.device_model import DEVICES, MODEL_SHAPES
+from flashmoe.reports import write_json
 from flashmoe.tiny_models import build_tiny_model
 from services.cache_manager.policies import POLICIES
 
@@ -48,18 +48,18 @@ def run_demo(workdir: Path, store_mib: int = 256) -> int:
     print("[4/6] IO engines against the fio ceiling (256 KiB blocks, depth 8)")
     runs = io_bench.io_bench(str(store.path), ["uring", "pread"], [8])
     print(io_bench.format_table(runs))
-    io_bench.write_json(runs, results / "io_bench.json", str(store.path))
+    write_json(io_bench.report(runs, str(store.path)), results / "io_bench.json")
     print("[5/6] demand path: AcquireReq round trip with every expert resident")
     result = acquire_bench.acquire_bench(str(store.path), iterations=5000)
     print(acquire_bench.format_table(result))
-    acquire_bench.write_json(result, results / "acquire_bench.json")
+    write_json(result, results / "acquire_bench.json")
     if (DEFAULT_TRACES_DIR / "warp").is_dir():
         print("[6/6] every cache policy on the warp OLMoE routing trace (global scope)")
         report = simulator.run_bench(load_trace("warp:olmoe"), "global", [0.125, 0.25, 0.5],
                                      sorted(POLICIES), DEVICES["orin-980pro"],
                                      MODEL_SHAPES["olmoe-1b-7b"], progress=False)
         print(simulator.format_table(report))
-        (results / "bench_warp_olmoe.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, results / "bench_warp_olmoe.json")
     else:
         print(f"[6/6] skipped: no shared traces at {DEFAULT_TRACES_DIR}")
     print(f"results in {results}/")

@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -62,8 +61,8 @@ def fio_ceiling(store: ExpertStore, depth: int, io_bytes: int) -> float | None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
-    report = json.loads(proc.stdout[proc.stdout.index("{"):])
-    return report["jobs"][0]["read"]["bw_bytes"] / 1e6
+    fio_json = json.loads(proc.stdout[proc.stdout.index("{"):])
+    return fio_json["jobs"][0]["read"]["bw_bytes"] / 1e6
 
 
 def run_pass(store: ExpertStore, engine, n_slots: int, rng: np.random.Generator):
@@ -144,10 +143,10 @@ def format_table(results: list[IOBenchResult]) -> str:
     return "\n".join(rows)
 
 
-def write_json(results: list[IOBenchResult], path: str | Path, store_path: str) -> None:
+def report(results: list[IOBenchResult], store_path: str) -> dict:
+    """The JSON document: every run under ``runs``; a single run's keys also at top level."""
     runs = [asdict(r) for r in results]
     doc = {"store": str(store_path), "runs": runs}
     if len(runs) == 1:
         doc.update(runs[0])
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
