@@ -2,12 +2,20 @@
 
 The cache manager creates and owns it (its IO engine reads blocks straight into slots); worker
 processes attach read-only and compute from zero-copy numpy / torch views of a slot.
+
+An arena is named ``<prefix>-<owner pid>-<8 hex digits>``, and its owner holds an exclusive
+``flock`` on it for its life: ``sweep_stale_arenas`` removes the arenas a crashed owner left
+behind, and the lock keeps it off the live arena of an owner whose pid it cannot see (another
+PID namespace: containers sharing /dev/shm).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
+import re
 import secrets
 import warnings
 from pathlib import Path
@@ -23,13 +31,90 @@ NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": 
                 "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32,
                 "I64": np.int64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
 
+NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class ArenaSpaceError(OSError):
+    """/dev/shm has too little free space for the arena."""
+
+
+def check_arena_name(name: str) -> None:
+    """Refuse a name that is not one plain file name in SHM_DIR; the ValueError says why."""
+    if "/" in name or os.sep in name:
+        raise ValueError(f"arena name {name!r} contains a path separator")
+    if ".." in name:
+        raise ValueError(f"arena name {name!r} contains '..'")
+    if not NAME_CHARS.fullmatch(name):
+        raise ValueError(f"arena name {name!r} is empty or has characters outside "
+                         f"[A-Za-z0-9._-]")
+    if name == ".":
+        raise ValueError("arena name '.' names the shared-memory folder itself")
+
+
+def _stale_owner(name: str, prefix: str) -> bool:
+    """Does the name have the form of an arena of ``prefix`` whose owner pid is gone?"""
+    match = re.fullmatch(re.escape(prefix) + r"(?:-.+)?-([0-9]+)-[0-9a-f]{8}", name)
+    if match is None:
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False  # alive under another user / not a pid
+    return False
+
+
+def sweep_stale_arenas(prefix: str = "flashmoe") -> list[str]:
+    """Remove the arenas of ``prefix`` left in SHM_DIR by owners that died; returns their names.
+
+    Only files named ``<prefix>[-anything]-<pid>-<8 hex digits>`` are looked at, and one is
+    removed only if that pid is not alive and nobody holds its owner lock."""
+    removed = []
+    for path in sorted(SHM_DIR.iterdir()):
+        if not _stale_owner(path.name, prefix):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                path.unlink()
+                removed.append(path.name)
+        except OSError:
+            pass  # locked by a live owner, replaced or removed meanwhile, or not ours
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the arena's memory now: a /dev/shm too small fails here, not as a SIGBUS on
+    the first touch of a slot."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        os.ftruncate(fd, 0)  # give back any part allocated, so the free space below is true
+        fs = os.statvfs(SHM_DIR)
+        raise ArenaSpaceError(
+            exc.errno, f"{SHM_DIR} has too little free space for the expert arena: "
+            f"{size} bytes ({size / 2**30:.2f} GiB) wanted, {fs.f_bavail * fs.f_frsize} bytes "
+            f"({fs.f_bavail * fs.f_frsize / 2**30:.2f} GiB) free of "
+            f"{fs.f_blocks * fs.f_frsize / 2**30:.2f} GiB; lower cache.capacity_experts or give "
+            f"{SHM_DIR} more room (docker: shm_size)") from None
+
 
 class Arena:
     def __init__(self, name: str, path: Path, mm: mmap.mmap, slot_bytes: int, n_slots: int,
-                 owner: bool) -> None:
+                 owner: bool, lock_fd: int | None = None) -> None:
         self.name, self.path, self.mmap = name, path, mm
         self.slot_bytes, self.n_slots, self.owner = slot_bytes, n_slots, owner
         self.view = memoryview(mm)
+        self._lock_fd = lock_fd  # the owner's open file, flock-ed while the arena lives
 
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, prefix: str = "flashmoe") -> "Arena":
@@ -40,19 +125,20 @@ class Arena:
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, slot_bytes * n_slots)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _reserve(fd, slot_bytes * n_slots)
             mm = mmap.mmap(fd, slot_bytes * n_slots, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
+        except BaseException:
             path.unlink(missing_ok=True)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, path, mm, slot_bytes, n_slots, owner=True)
+            raise
+        return cls(name, path, mm, slot_bytes, n_slots, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str, slot_bytes: int, n_slots: int) -> "Arena":
         """Map an existing arena read-only (worker side)."""
+        check_arena_name(name)
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -103,3 +189,6 @@ class Arena:
             pass  # views handed out are still alive; the mapping goes with the process
         if self.owner:
             self.path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -9,7 +9,9 @@ block ids; global block b lives in stripe ``b % parallelism`` at offset
 ``(b // parallelism) * block_size``, so one expert read fans out over every stripe. A block
 occupies its whole ``block_size`` slot in the stripe, but only ``read_len`` bytes (the valid
 bytes rounded up to ``ALIGN``, zero padded) are written, read and checksummed. Checksums are
-CRC-32 (zlib) over those ``read_len`` bytes.
+CRC-32 (zlib) over those ``read_len`` bytes. The manifest also records the size and CRC-32 of
+``non_expert.safetensors`` and ``config.json``: opening checks their sizes, ``verify`` their
+checksums.
 
 The manifest is written last and renamed into place; a folder without a valid manifest is
 not a store.
@@ -18,6 +20,7 @@ not a store.
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -26,9 +29,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-FORMAT_VERSION = 1
+from common.safetensors_io import DTYPE_BYTES
+
+FORMAT_VERSION = 2  # 2: sizes and checksums of the non-expert weights and config.json
 MANIFEST_NAME = "manifest.json"
 NON_EXPERT_NAME = "non_expert.safetensors"
+CONFIG_NAME = "config.json"
+SIDE_FILES = (NON_EXPERT_NAME, CONFIG_NAME)  # the store's files besides stripes and manifest
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
 TENSOR_ALIGN = 256  # alignment of each projection inside an expert's bytes
 
@@ -46,12 +53,30 @@ class ChecksumError(StoreError):
         self.layer, self.expert, self.block = layer, expert, block
 
 
+class FileCheckError(StoreError):
+    """One of the store's side files (``SIDE_FILES``) is missing or differs from the manifest."""
+
+    def __init__(self, file: str, problem: str) -> None:
+        super().__init__(f"file {file} {problem}")
+        self.file = file
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
 def stripe_name(k: int) -> str:
     return f"stripe_{k}.bin"
+
+
+def file_crc32(path: Path, chunk_bytes: int = 8 << 20) -> tuple[int, int]:
+    """(size, CRC-32) of a whole file, read in chunks."""
+    size, crc = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            size += len(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return size, crc
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,38 @@ class ExpertEntry:
     first_block: int
     n_blocks: int
     tensors: tuple[TensorEntry, ...]
+
+    def validate(self, where: str) -> None:
+        """Unique tensor names; each tensor's bytes match its shape and lie, without overlap,
+        inside the expert's bytes."""
+        name = f"{where}: layer {self.layer} expert {self.expert}"
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise StoreError(f"{name} lists tensor(s) {', '.join(twice)} more than once")
+        for t in self.tensors:
+            if not all(isinstance(d, int) and d >= 0 for d in t.shape):
+                raise StoreError(f"{name}: tensor {t.name} has a bad shape {list(t.shape)}")
+            if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > self.nbytes:
+                raise StoreError(f"{name}: tensor {t.name} (offset {t.offset}, {t.nbytes} bytes) "
+                                 f"does not lie inside the expert's {self.nbytes} bytes")
+            if t.dtype in DTYPE_BYTES:
+                want = DTYPE_BYTES[t.dtype] * math.prod(t.shape)
+                if t.nbytes != want:
+                    raise StoreError(f"{name}: tensor {t.name} is {t.nbytes} bytes, but "
+                                     f"{t.dtype} {list(t.shape)} is {want}")
+        by_offset = sorted(self.tensors, key=lambda t: (t.offset, t.nbytes))
+        for before, after in zip(by_offset, by_offset[1:]):
+            if after.offset < before.offset + before.nbytes:
+                raise StoreError(f"{name}: tensors {before.name} and {after.name} overlap")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A store file outside the stripes, with its size and CRC-32 of its whole contents."""
+    name: str
+    size: int
+    crc32: int
 
 
 # One row per block read; also the ctypes-compatible op record of the IO engines.
@@ -101,6 +158,7 @@ class Manifest:
     experts: tuple[ExpertEntry, ...]
     block_crc: tuple[int, ...]
     stripe_sizes: tuple[int, ...]
+    files: tuple[FileEntry, ...]  # one per SIDE_FILES name
 
     def to_json(self) -> dict:
         return {
@@ -111,6 +169,7 @@ class Manifest:
             "parallelism": self.parallelism, "checksum": "crc32",
             "stripes": [{"file": stripe_name(k), "size": s} for k, s in enumerate(self.stripe_sizes)],
             "non_expert_weights": NON_EXPERT_NAME,
+            "files": [{"file": f.name, "size": f.size, "crc32": f.crc32} for f in self.files],
             "experts": [{"layer": e.layer, "expert": e.expert, "nbytes": e.nbytes,
                          "first_block": e.first_block, "n_blocks": e.n_blocks,
                          "tensors": [{"name": t.name, "key": t.key, "dtype": t.dtype,
@@ -137,27 +196,36 @@ class Manifest:
                            data["num_layers"], tuple(data["moe_layers"]), data["num_experts"],
                            data["top_k"], data["block_size"], data["parallelism"], experts,
                            tuple(data["block_crc"]),
-                           tuple(s["size"] for s in data["stripes"]))
+                           tuple(s["size"] for s in data["stripes"]),
+                           tuple(FileEntry(f["file"], f["size"], f["crc32"])
+                                 for f in data["files"]))
+            manifest.validate(where)
         except (KeyError, TypeError) as exc:
             raise StoreError(f"{where}: manifest is malformed (missing or bad {exc})") from None
-        manifest.validate(where)
         return manifest
 
     def validate(self, where: str) -> None:
         if self.block_size <= 0 or self.block_size % ALIGN or self.parallelism <= 0:
             raise StoreError(f"{where}: bad block_size {self.block_size} or parallelism "
                              f"{self.parallelism}")
-        n_blocks = 0
+        n_blocks, seen = 0, set()
         for e in self.experts:
+            if (e.layer, e.expert) in seen:
+                raise StoreError(f"{where}: layer {e.layer} expert {e.expert} is listed twice")
+            seen.add((e.layer, e.expert))
             if e.first_block != n_blocks or e.n_blocks != -(-e.nbytes // self.block_size):
                 raise StoreError(f"{where}: block range of layer {e.layer} expert {e.expert} "
                                  f"is inconsistent")
+            e.validate(where)
             n_blocks += e.n_blocks
         if n_blocks != len(self.block_crc):
             raise StoreError(f"{where}: {len(self.block_crc)} checksums for {n_blocks} blocks")
         if len(self.stripe_sizes) != self.parallelism:
             raise StoreError(f"{where}: {len(self.stripe_sizes)} stripes listed, parallelism "
                              f"{self.parallelism}")
+        if sorted(f.name for f in self.files) != sorted(SIDE_FILES):
+            raise StoreError(f"{where}: files listed are {[f.name for f in self.files]}, "
+                             f"expected {list(SIDE_FILES)}")
 
     @property
     def max_expert_bytes(self) -> int:
@@ -217,6 +285,7 @@ class ExpertStore:
         manifest = Manifest.from_json(data, str(manifest_path))
         store = cls(path, manifest)
         store.check_stripe_sizes()
+        store.check_file_sizes()
         return store
 
     def check_stripe_sizes(self) -> None:
@@ -227,6 +296,34 @@ class ExpertStore:
             if actual < expected:
                 raise StoreError(f"{self.path}: stripe file {stripe.name} is truncated "
                                  f"({actual} bytes, expected {expected})")
+
+    def check_file_sizes(self) -> None:
+        for f in self.manifest.files:
+            error = self._file_size_error(f)
+            if error is not None:
+                raise StoreError(f"{self.path}: {error}")
+
+    def _file_size_error(self, f: FileEntry) -> FileCheckError | None:
+        try:
+            actual = (self.path / f.name).stat().st_size
+        except FileNotFoundError:
+            return FileCheckError(f.name, "is missing")
+        if actual != f.size:
+            return FileCheckError(f.name, f"is {actual} bytes, the manifest says {f.size}")
+        return None
+
+    def verify_files(self) -> Iterator[FileCheckError]:
+        """Check the size and CRC-32 of every side file; yields each bad one."""
+        for f in self.manifest.files:
+            error = self._file_size_error(f)
+            if error is None:
+                size, crc = file_crc32(self.path / f.name)
+                if (size, crc) != (f.size, f.crc32):
+                    error = FileCheckError(f.name, f"does not match its checksum (CRC-32 "
+                                                   f"{crc:#010x}, the manifest says "
+                                                   f"{f.crc32:#010x})")
+            if error is not None:
+                yield error
 
     def _plan(self, e: ExpertEntry) -> np.ndarray:
         m = self.manifest
@@ -264,8 +361,11 @@ class ExpertStore:
                 stripe, offset = block_location(e.first_block + i, bs, self.manifest.parallelism)
                 raise ChecksumError(layer, expert, e.first_block + i, stripe, offset)
 
-    def verify(self, progress: Callable[[int], None] | None = None) -> Iterator[ChecksumError]:
-        """Check every block with buffered reads; yields each bad block (first one first)."""
+    def verify(self, progress: Callable[[int], None] | None = None) -> Iterator[StoreError]:
+        """Check the side files, then every block with buffered reads; yields each bad file
+        (FileCheckError) and each bad block (ChecksumError), first one first. ``progress`` is
+        called with each expert's bytes."""
+        yield from self.verify_files()
         bs = self.manifest.block_size
         files = [open(p, "rb") for p in self.stripe_paths]
         try:

@@ -72,6 +72,23 @@ def test_pinned_keys_are_never_victims(name):
     run(make_policy(name, 8), skewed_trace(3000, keys=30, seed=9), pinned_every=3, rng=rng)
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("via_protocol", [False, True])
+def test_request_with_every_resident_key_pinned_is_a_policy_error(name, via_protocol):
+    policy = make_policy(name, 2)
+    request = EvictionPolicy.request if via_protocol else type(policy).request
+    for key, next_use in ((1, 10), (2, 11), (3, 12)):
+        if needs_future(name):
+            policy.set_next_use(next_use)
+        if key == 3:
+            assert policy.victim(frozenset({1, 2})) is None
+            with pytest.raises(PolicyError, match=f"{name}: every resident key is pinned"):
+                request(policy, key, frozenset({1, 2}))
+        else:
+            request(policy, key)
+    assert 1 in policy and 2 in policy and 3 not in policy and len(policy) == 2
+
+
 def test_belady_is_an_upper_bound_on_these_traces():
     for seed in range(3):
         trace = skewed_trace(3000, keys=50, seed=seed)

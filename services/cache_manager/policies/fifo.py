@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Container
 
-from .base import NOTHING_PINNED, EvictionPolicy, Key
+from .base import NOTHING_PINNED, EvictionPolicy, Key, PolicyError
 
 
 class FIFOPolicy(EvictionPolicy):
@@ -43,7 +43,10 @@ class FIFOPolicy(EvictionPolicy):
             return True
         if len(queue) >= self.capacity:
             if pinned:
-                del queue[self.victim(pinned)]
+                victim = self.victim(pinned)
+                if victim is None:
+                    raise PolicyError(f"{self.name}: every resident key is pinned")
+                del queue[victim]
             else:
                 queue.popitem(last=False)
         queue[key] = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Container
 
-from .base import NOTHING_PINNED, EvictionPolicy, Key
+from .base import NOTHING_PINNED, EvictionPolicy, Key, PolicyError
 
 
 class LRUPolicy(EvictionPolicy):
@@ -44,7 +44,10 @@ class LRUPolicy(EvictionPolicy):
             return True
         if len(order) >= self.capacity:
             if pinned:
-                del order[self.victim(pinned)]
+                victim = self.victim(pinned)
+                if victim is None:
+                    raise PolicyError(f"{self.name}: every resident key is pinned")
+                del order[victim]
             else:
                 order.popitem(last=False)
         order[key] = None
