@@ -14,7 +14,8 @@ if str(ROOT) not in sys.path:
 
 from common.store import ExpertStore  # noqa: E402
 from flashmoe.convert import convert_checkpoint  # noqa: E402
-from flashmoe.launch import ipc_endpoint, start_cache_manager, stop_process  # noqa: E402
+from common.bus import control_endpoint_for, ipc_endpoint  # noqa: E402
+from flashmoe.launch import start_cache_manager, stop_process  # noqa: E402
 from flashmoe.tiny_models import build_tiny_model  # noqa: E402
 
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
@@ -48,11 +49,32 @@ def store_copy(tiny_store, tmp_path) -> Path:
 
 
 class ManagerHandle:
-    def __init__(self, store: Path, runtime: Path, overrides: list[str]) -> None:
+    def __init__(self, store: Path, runtime: Path, overrides: list[str],
+                 env: dict | None = None) -> None:
         self.endpoint = ipc_endpoint(runtime, "cache")
+        self.control = control_endpoint_for(self.endpoint)
         self.log_path = runtime / "cache_manager.log"
         self._log = open(self.log_path, "w")
-        self.proc = start_cache_manager(store, self.endpoint, overrides, log_file=self._log)
+        self.proc = start_cache_manager(store, self.endpoint, overrides, log_file=self._log,
+                                        env=env)
+
+    def stats(self) -> dict:
+        from common.bus import stats
+
+        return stats(self.control)
+
+    def wait_for(self, condition, timeout_s: float = 20.0, what: str = "") -> dict:
+        """Poll the control socket's stats until ``condition(stats)`` holds."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = self.stats()
+            if condition(current):
+                return current
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what or condition}: {current}")
+            time.sleep(0.05)
 
     def log(self) -> str:
         self._log.flush()
@@ -69,10 +91,10 @@ def start_manager(tmp_path):
     """Start cache-manager processes; every one is stopped at teardown."""
     handles = []
 
-    def start(store: Path, *overrides: str) -> ManagerHandle:
+    def start(store: Path, *overrides: str, env: dict | None = None) -> ManagerHandle:
         runtime = tmp_path / f"run{len(handles)}"
         runtime.mkdir()
-        handle = ManagerHandle(store, runtime, list(overrides))
+        handle = ManagerHandle(store, runtime, list(overrides), env)
         handles.append(handle)
         return handle
 
@@ -82,10 +104,13 @@ def start_manager(tmp_path):
 
 
 def uring_available() -> tuple[bool, str]:
-    from services.cache_manager.io_engine import IOEngineError, _load_helper
+    """(True, "") when the helper is built (rebuilt here when its source is newer), loads, and
+    this process may set up an io_uring instance; else (False, why)."""
+    from services.cache_manager.io_engine import IOEngineError, build_helper, probe_uring
 
     try:
-        _load_helper()
+        build_helper()
+        probe_uring()
         return True, ""
     except IOEngineError as exc:
         return False, str(exc)
