@@ -1,9 +1,14 @@
 """The worker side of the cache manager protocol.
 
 A ``CacheClient`` connects a DEALER socket to the cache manager's ROUTER, does the HELLO/READY
-handshake, maps the arena read-only and turns ``acquire(layer, experts)`` into zero-copy tensor
-views. Every wait is bounded: no reply within ``ipc.acquire_timeout_s`` (or a ``Dead`` from the
-manager) raises ``CacheManagerUnavailable``; the client is unusable after that.
+handshake (its config's section digests against the manager's; a mismatch raises
+``ConfigMismatch`` naming the sections; a client made without a config is not compared), maps
+the arena read-only and turns ``acquire(layer, experts)`` into zero-copy tensor views. Pins are
+per layer: ``acquire(layer, experts, release_layers=[...])`` drops the named layers' pins in
+the same message. Every wait is bounded: no reply within ``ipc.acquire_timeout_s`` (or a
+``Dead`` from the manager, or a closed connection) raises ``CacheManagerUnavailable``; the
+client is unusable after that. ZMTP heartbeats (``ipc.heartbeat_*``) keep an idle client alive
+in the manager's eyes; a client that stops answering them loses its pins.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common.arena import Arena
+from common.bus import HARD_MAX_MESSAGE_BYTES, ConfigMismatch, make_socket
 from common.config import FlashMoEConfig
 from common.protocol import (AcquireError, AcquireRep, AcquireReq, CacheToWorker, Dead, Decoder,
-                             Hello, Message, ProtocolError, Ready, Rejected, Release, Released,
-                             StatsRep, StatsReq, encode)
+                             Hello, Message, PrefetchHint, ProtocolError, Ready, Rejected,
+                             Release, Released, StatsRep, StatsReq, encode)
 from common.store import ExpertStore
+
+
+PEER_CHECK_MS = 50  # longest a wait goes without looking at the connection's state
 
 
 class CacheManagerUnavailable(RuntimeError):
@@ -37,25 +46,22 @@ class ExpertLoadError(RuntimeError):
 class CacheClient:
     def __init__(self, endpoint: str, config: FlashMoEConfig | None = None,
                  name: str = "worker") -> None:
+        digests = config.section_digests() if config is not None else {}
         self.config = config or FlashMoEConfig()
         self.endpoint = endpoint
         self.ctx = zmq.Context()
-        self.send_to_cache = self.ctx.socket(zmq.DEALER)
-        self.send_to_cache.setsockopt(zmq.LINGER, 0)
+        self.send_to_cache = make_socket(self.ctx, zmq.DEALER, self.config, linger_ms=0)
         self.send_to_cache.connect(endpoint)
         # A dead manager closes the ipc connection: fail at once instead of at the timeout.
         self.peer_events = self.send_to_cache.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.poller = zmq.Poller()
-        self.poller.register(self.send_to_cache, zmq.POLLIN)
-        self.poller.register(self.peer_events, zmq.POLLIN)
         self.connected = False
-        self.decoder = Decoder(CacheToWorker, max_bytes=16 * 1024 * 1024)
+        self.decoder = Decoder(CacheToWorker, max_bytes=HARD_MAX_MESSAGE_BYTES)
         self.seq = 0
         self.broken: str | None = None
         self.arena: Arena | None = None
         try:
-            self.send_to_cache.send(encode(Hello(name, os.getpid(), self.config.digest())))
+            self.send_to_cache.send(encode(Hello(name, os.getpid(), digests)))
             ready = self._wait(Ready, None, self.config.ipc.handshake_timeout_s,
                                "ipc.handshake_timeout_s")
             self.ready = ready
@@ -70,25 +76,34 @@ class CacheClient:
         if self.broken:
             raise CacheManagerUnavailable(self.broken)
         deadline = time.monotonic() + timeout_s
+        sock = self.send_to_cache
         while True:
+            # One socket on the fast path; the connection monitor between slices of the wait,
+            # so a dead manager is noticed within a slice.
             left_ms = int((deadline - time.monotonic()) * 1000)
-            ready = dict(self.poller.poll(left_ms)) if left_ms > 0 else {}
-            if self.peer_events in ready:
+            if left_ms <= 0 or not sock.poll(min(left_ms, PEER_CHECK_MS)):
                 self._check_peer_events()
-                continue
-            if self.send_to_cache not in ready:
+                if time.monotonic() < deadline:
+                    continue
                 self.broken = (f"no reply from the cache manager at {self.endpoint} within "
                                f"{timeout_s:g} s (raise {setting} if it is just slow)")
                 raise CacheManagerUnavailable(self.broken)
             try:
-                message = self.decoder.decode(self.send_to_cache.recv())
+                message = self.decoder.decode(sock.recv())
             except ProtocolError as exc:
                 self.broken = f"cache manager sent a bad message: {exc}"
                 raise CacheManagerUnavailable(self.broken) from None
+            if type(message) is expected and getattr(message, "seq", seq) == seq:
+                return message  # the common case, first
             if isinstance(message, Dead):
                 self.broken = f"cache manager is dead: {message.reason}"
                 raise CacheManagerUnavailable(self.broken)
             if isinstance(message, Rejected):
+                if message.code == "config_mismatch":
+                    mismatch = ConfigMismatch(message.message.split(","),
+                                              f"the cache manager at {self.endpoint}")
+                    self.broken = str(mismatch)
+                    raise mismatch
                 raise ProtocolError(message.code, message.message)
             if seq is not None and getattr(message, "seq", seq) != seq:
                 continue  # a late answer to a request that already timed out
@@ -118,20 +133,29 @@ class CacheClient:
         self.seq += 1
         return self.seq
 
-    def acquire(self, layer: int, experts: list[int]) -> list[int]:
-        """Slots holding the layer's experts; they stay pinned until the next request."""
+    def acquire(self, layer: int, experts: list[int], release_layers=()) -> list[int]:
+        """Slots holding the layer's experts, pinned until this layer is released (or
+        acquired again); ``release_layers`` are dropped first, in the same message."""
         seq = self._next_seq()
-        return list(self._request(AcquireReq(seq, layer, list(experts)), AcquireRep, seq).slots)
+        return list(self._request(AcquireReq(seq, layer, list(experts), list(release_layers)),
+                                  AcquireRep, seq).slots)
 
-    def acquire_tensors(self, layer: int, experts: list[int]) -> list[dict]:
+    def acquire_tensors(self, layer: int, experts: list[int], release_layers=()) -> list[dict]:
         """Zero-copy torch views of each expert's projections, in request order."""
-        slots = self.acquire(layer, experts)
+        slots = self.acquire(layer, experts, release_layers)
         return [self.arena.torch_views(slot, self.store.expert(layer, expert))
                 for expert, slot in zip(experts, slots)]
 
-    def release(self) -> None:
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Ask for experts ahead of use; no reply, nobody waits."""
+        if self.broken:
+            raise CacheManagerUnavailable(self.broken)
+        self.send_to_cache.send(encode(PrefetchHint(layer, list(experts))))
+
+    def release(self, layers=None) -> None:
+        """Drop the pins of ``layers`` (every layer when None)."""
         seq = self._next_seq()
-        self._request(Release(seq), Released, seq)
+        self._request(Release(seq, list(layers or [])), Released, seq)
 
     def stats(self) -> dict:
         seq = self._next_seq()

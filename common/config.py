@@ -33,9 +33,12 @@ class ConfigError(ValueError):
 
 
 def _spec(doc: str, lo: float | None = None, hi: float | None = None,
-          choices: tuple | None = None, size: bool = False, multiple_of: int | None = None) -> dict:
+          choices: tuple | None = None, size: bool = False, multiple_of: int | None = None,
+          live: bool = False) -> dict:
+    """Field metadata. ``live``: the running services may change it without a restart, so it
+    is left out of the handshake digests (peers with different live values still connect)."""
     return {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "size": size,
-            "multiple_of": multiple_of}
+            "multiple_of": multiple_of, "live": live}
 
 
 def parse_size(text: str | int) -> int:
@@ -68,12 +71,18 @@ class IOConfig:
         "Reads kept in flight by the IO engine.", lo=1, hi=256))
     verify_checksums: bool = field(default=True, metadata=_spec(
         "Verify every block's checksum before its slot is marked ready."))
+    read_timeout_s: float = field(default=5.0, metadata=_spec(
+        "Seconds a submitted read may take; past it the IO engine is declared failed and the "
+        "cache manager exits (its supervisor restarts it).", lo=0.01, hi=600))
 
 
 @dataclass
 class CacheConfig:
     policy: str = field(default="lru", metadata=_spec(
-        "Eviction policy name from the policy registry."))
+        "Eviction policy name from the policy registry.", live=True))
+    policy_params: dict = field(default_factory=dict, metadata=_spec(
+        "Parameters of the chosen policy (a table; keys are the policy's Params fields, an "
+        "unknown key is an error). On the command line: a JSON object."))
     capacity_experts: int = field(default=64, metadata=_spec(
         "Arena slots (experts resident at once); the arena is this many slots.", lo=1,
         hi=1 << 20))
@@ -94,6 +103,11 @@ class IPCConfig:
     max_message_bytes: int = field(default=64 * KIB, metadata=_spec(
         "Largest accepted control message; larger ones are rejected and counted.",
         lo=1 * KIB, hi=16 * MIB, size=True))
+    heartbeat_interval_s: float = field(default=1.0, metadata=_spec(
+        "Seconds between heartbeats on every connection (ZeroMQ ZMTP pings).", lo=0.05, hi=60))
+    heartbeat_timeout_s: float = field(default=5.0, metadata=_spec(
+        "Seconds without traffic after which a peer is dead: a worker loses its pins.",
+        lo=0.1, hi=600))
 
 
 @dataclass
@@ -109,17 +123,21 @@ class PredictorConfig:
 @dataclass
 class PrefetchConfig:
     window: int = field(default=8, metadata=_spec(
-        "Top-scored non-resident experts considered for prefetch.", lo=0, hi=256))
+        "Experts a prefetcher may ask for ahead of use (capped by prefetch.budget).", lo=0,
+        hi=256, live=True))
+    budget: int = field(default=8, metadata=_spec(
+        "Most prefetch loads in flight at once, in experts; a hard cap set at start.",
+        lo=0, hi=256))
 
 
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "8gb": {"predictor": {"lstm_hidden": 32}, "store": {"block_size": 128 * KIB},
-            "prefetch": {"window": 4}},
+            "prefetch": {"window": 4, "budget": 4}},
     "16gb": {"predictor": {"lstm_hidden": 64}, "store": {"block_size": 256 * KIB},
-             "prefetch": {"window": 8}},
+             "prefetch": {"window": 8, "budget": 8}},
     "32gb": {"predictor": {"lstm_hidden": 128}, "store": {"block_size": 512 * KIB},
-             "prefetch": {"window": 16}},
+             "prefetch": {"window": 16, "budget": 16}},
 }
 DEFAULT_PROFILE = "16gb"
 
@@ -138,9 +156,19 @@ class FlashMoEConfig:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        """Short hash exchanged in the HELLO/READY handshake."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Short hash of every value (logs, reports)."""
+        return _hash(self.to_dict())
+
+    def section_digests(self) -> dict[str, str]:
+        """Per section, a hash of the fields that cannot change while running: what the
+        HELLO/READY handshake compares (live-tunable fields are left out, so a service tuned
+        at run time and a restarted child still connect)."""
+        out = {}
+        for section in SECTIONS:
+            values = getattr(self, section)
+            out[section] = _hash({f.name: getattr(values, f.name)
+                                  for f in dataclasses.fields(values) if not f.metadata["live"]})
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FlashMoEConfig":
@@ -151,6 +179,17 @@ class FlashMoEConfig:
             for name, value in values.items():
                 _assign(cfg, section, name, value, "dict")
         return cfg
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differing_sections(mine: Mapping[str, str], theirs: Mapping[str, str],
+                       sections: tuple[str, ...] | None = None) -> list[str]:
+    """Sections whose digests differ (only those named in ``sections``, when given)."""
+    names = sections if sections is not None else tuple(mine)
+    return [s for s in names if s in mine and s in theirs and mine[s] != theirs[s]]
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(FlashMoEConfig) if f.name != "profile")
@@ -187,6 +226,12 @@ def _coerce(f: dataclasses.Field, spec: dict, value: Any, where: str) -> Any:
             return int(value)
         if key_type == "float":
             return float(value)
+        if key_type == "dict":
+            if isinstance(value, str):
+                value = json.loads(value) if value.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError(f"not a table: {value!r} (on the command line: a JSON object)")
+            return dict(value)
         return str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -267,7 +312,8 @@ def describe_fields() -> list[dict[str, Any]]:
     for section in SECTIONS:
         for f in dataclasses.fields(type(getattr(default, section))):
             spec = f.metadata
-            rows.append({"key": f"{section}.{f.name}", "default": getattr(getattr(default, section), f.name),
+            rows.append({"key": f"{section}.{f.name}",
+                         "default": getattr(getattr(default, section), f.name),
                          "doc": spec["doc"], "lo": spec.get("lo"), "hi": spec.get("hi"),
-                         "choices": spec.get("choices")})
+                         "choices": spec.get("choices"), "live": spec["live"]})
     return rows

@@ -6,6 +6,12 @@ validated on decode (types and bounds). No pickle anywhere.
 
 Decoding never raises anything but ``ProtocolError``, whose ``code`` says what was wrong
 (``malformed``, ``wrong_version``, ``oversized``), so a service can count it and go on.
+
+Sockets and the unions they accept:
+  - worker -> cache manager (DEALER -> ROUTER, the hot path): ``WorkerToCache`` /
+    ``CacheToWorker``;
+  - any client -> a service's control socket (DEALER -> ROUTER, never the hot path):
+    ``ControlRequest`` / ``ControlReply``.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ from typing import Annotated, Union
 
 import msgspec
 
-SCHEMA_VERSION = 1
+# 2: AcquireReq.release_layers (per-layer pins), PrefetchHint, Release.layers, per-section
+#    config digests in Hello/Ready, the control socket's Health messages.
+SCHEMA_VERSION = 2
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
+LayerIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
 ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+Digests = Annotated[dict[ShortText, ShortText], msgspec.Meta(max_length=64)]
 
 
 class Message(msgspec.Struct, array_like=True, tag=True, frozen=True):
@@ -30,7 +40,7 @@ class Message(msgspec.Struct, array_like=True, tag=True, frozen=True):
 class Hello(Message):
     worker_name: ShortText  # free-form name for logs and stats
     pid: NonNeg  # worker process id
-    config_digest: ShortText  # FlashMoEConfig.digest() of the sender, "" if it has none
+    config_digests: Digests  # FlashMoEConfig.section_digests() of the sender; {} = none
 
 
 class Ready(Message):
@@ -39,13 +49,16 @@ class Ready(Message):
     n_slots: NonNeg  # slots in the arena
     store_path: ShortText  # store folder; the worker reads the manifest for tensor layout
     engine: ShortText  # IO engine in use ("uring" or "pread")
-    config_digest: ShortText  # the cache manager's config digest
+    config_digests: Digests  # the cache manager's section digests
 
 
 class AcquireReq(Message):
     seq: NonNeg  # worker-chosen sequence number, echoed in the reply
     layer: NonNeg  # MoE layer index
     experts: ExpertIds  # expert ids selected for this layer (the router's top-k)
+    # Layers whose pins this worker drops first (piggybacked release, no extra round trip).
+    # Pins are per (worker, layer): acquiring a layer again replaces that layer's pins.
+    release_layers: LayerIds = []
 
 
 class AcquireRep(Message):
@@ -57,13 +70,20 @@ class AcquireRep(Message):
 class AcquireError(Message):
     seq: NonNeg  # echo of AcquireReq.seq
     layer: NonNeg
-    code: ShortText  # checksum | unknown_expert | no_free_slot | io_error | not_ready
+    # checksum | unknown_expert | no_free_slot | io_error | io_timeout | not_ready
+    code: ShortText
     message: ShortText  # human-readable detail
     experts: list[NonNeg]  # the experts the error is about
 
 
+class PrefetchHint(Message):
+    layer: NonNeg  # load these experts of this layer ahead of use; nobody waits, no reply
+    experts: ExpertIds
+
+
 class Release(Message):
-    seq: NonNeg  # drop the sender's pins (worker going idle or away); answered by Released
+    seq: NonNeg  # answered by Released
+    layers: LayerIds = []  # layers whose pins the sender drops; [] = every layer
 
 
 class Released(Message):
@@ -80,7 +100,8 @@ class StatsRep(Message):
 
 
 class Rejected(Message):
-    code: ShortText  # malformed | wrong_version | oversized | unexpected
+    # malformed | wrong_version | oversized | unexpected | config_mismatch
+    code: ShortText
     message: ShortText
 
 
@@ -88,8 +109,24 @@ class Dead(Message):
     reason: ShortText  # sent by a process that is going down so peers fail fast
 
 
-WorkerToCache = Union[Hello, AcquireReq, Release, StatsReq]
+# --- control socket of every service ---------------------------------------------------------
+
+class HealthReq(Message):
+    seq: NonNeg
+
+
+class HealthRep(Message):
+    seq: NonNeg
+    service: ShortText  # e.g. "cache_manager"
+    pid: NonNeg
+    state: ShortText  # "running" | "stopping" | "failed"
+    uptime_s: float
+
+
+WorkerToCache = Union[Hello, AcquireReq, PrefetchHint, Release, StatsReq]
 CacheToWorker = Union[Ready, AcquireRep, AcquireError, Released, StatsRep, Rejected, Dead]
+ControlRequest = Union[HealthReq, StatsReq]
+ControlReply = Union[HealthRep, StatsRep, Rejected, Dead]
 
 
 class ProtocolError(ValueError):

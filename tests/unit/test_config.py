@@ -76,3 +76,36 @@ def test_digest_changes_with_values_and_roundtrips():
 def test_every_field_is_documented():
     rows = describe_fields()
     assert rows and all(row["doc"] for row in rows)
+
+
+def test_policy_params_is_a_table_from_file_env_or_cli(tmp_path):
+    path = tmp_path / "f.toml"
+    path.write_text('[cache]\npolicy = "s3fifo"\n[cache.policy_params]\nsmall_fraction = 0.2\n')
+    assert load_config(file=path, env={}).cache.policy_params == {"small_fraction": 0.2}
+    cfg = load_config(env={"FLASHMOE_CACHE__POLICY_PARAMS": '{"a": 1}'},
+                      overrides=['cache.policy_params={"b": 2}'])
+    assert cfg.cache.policy_params == {"b": 2}
+    with pytest.raises(ConfigError, match="cache.policy_params"):
+        load_config(env={}, overrides=["cache.policy_params=[1, 2]"])
+    with pytest.raises(ConfigError, match="cache.policy_params"):
+        load_config(env={}, overrides=["cache.policy_params={not json"])
+
+
+def test_section_digests_ignore_live_fields_and_name_the_differing_sections():
+    from common.config import differing_sections
+
+    base = load_config(env={})
+    live = load_config(env={}, overrides=["cache.policy=arc", "prefetch.window=2"])
+    assert base.section_digests() == live.section_digests()  # only live fields differ
+    fixed = load_config(env={}, overrides=["store.block_size=128K", "io.queue_depth=4"])
+    assert differing_sections(base.section_digests(), fixed.section_digests()) == ["store", "io"]
+    assert differing_sections(base.section_digests(), fixed.section_digests(),
+                              ("cache", "store")) == ["store"]
+
+
+def test_profiles_set_the_prefetch_budget_and_new_fields_have_bounds():
+    assert load_config(profile="8gb", env={}).prefetch.budget == 4
+    for override in ("io.read_timeout_s=0", "ipc.heartbeat_timeout_s=0",
+                     "ipc.heartbeat_interval_s=1000", "prefetch.budget=-1"):
+        with pytest.raises(ConfigError, match="out of range"):
+            load_config(env={}, overrides=[override])

@@ -2,11 +2,14 @@ import msgpack
 import pytest
 
 from common.protocol import (SCHEMA_VERSION, AcquireError, AcquireRep, AcquireReq, CacheToWorker,
-                             Dead, Decoder, Hello, ProtocolError, Ready, Rejected, Release,
+                             ControlReply, ControlRequest, Dead, Decoder, HealthRep, HealthReq,
+                             Hello, PrefetchHint, ProtocolError, Ready, Rejected, Release,
                              StatsRep, StatsReq, WorkerToCache, encode)
 
-WORKER_MESSAGES = [Hello("w", 12, "abc"), AcquireReq(3, 1, [4, 7]), Release(5), StatsReq(6)]
-CACHE_MESSAGES = [Ready("arena", 4096, 8, "/s", "uring", "d"), AcquireRep(3, 1, [0, 2]),
+WORKER_MESSAGES = [Hello("w", 12, {"store": "abc"}), AcquireReq(3, 1, [4, 7]),
+                   AcquireReq(4, 2, [1], [1, 0]), PrefetchHint(3, [1, 2]), Release(5),
+                   Release(6, [2]), StatsReq(6)]
+CACHE_MESSAGES = [Ready("arena", 4096, 8, "/s", "uring", {"cache": "d"}), AcquireRep(3, 1, [0, 2]),
                   AcquireError(3, 1, "checksum", "bad", [7]), StatsRep(1, {"n_hit": 3, "e": "x"}),
                   Rejected("malformed", "m"), Dead("bye")]
 
@@ -21,9 +24,19 @@ def test_cache_messages_roundtrip(message):
     assert Decoder(CacheToWorker).decode(encode(message)) == message
 
 
+@pytest.mark.parametrize("message", [HealthReq(1), StatsReq(2)])
+def test_control_requests_roundtrip(message):
+    assert Decoder(ControlRequest).decode(encode(message)) == message
+
+
+def test_control_replies_roundtrip():
+    reply = HealthRep(1, "cache_manager", 42, "running", 1.5)
+    assert Decoder(ControlReply).decode(encode(reply)) == reply
+
+
 def test_wire_is_plain_msgpack_with_version():
-    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7])))
-    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7]]
+    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0])))
+    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0]]
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -33,7 +46,9 @@ def test_wire_is_plain_msgpack_with_version():
     (msgpack.packb([SCHEMA_VERSION, ["Pickle", 1]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, -2, [1]]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, "x"]]), "malformed"),
-    (msgpack.packb([SCHEMA_VERSION, ["Ready", "a", 1, 1, "/s", "u", "d"]]), "malformed"),
+    (msgpack.packb([SCHEMA_VERSION, ["Ready", "a", 1, 1, "/s", "u", {}]]), "malformed"),
+    (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [-1]]]), "malformed"),
+    (msgpack.packb([SCHEMA_VERSION, ["Hello", "w", 1, "not a table"]]), "malformed"),
     (b"\x00" * 70000, "oversized"),
 ])
 def test_bad_frames_raise_protocol_error_with_code(frame, code):
