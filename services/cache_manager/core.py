@@ -1,21 +1,45 @@
-"""The cache manager's decision core: residency, slots, pins and the eviction policy.
+"""The cache manager's decision core: slot states, pins, waiting requests, prefetch, eviction.
 
-Pure bookkeeping, no sockets and no IO, usable in-process. ``acquire`` answers which slot each
-requested expert is (or will be) in and which loads must happen first; the process shell runs
-those loads through the IO engine and reports each one back with ``finish_load``.
+Pure bookkeeping, no sockets, no IO and no clock, so that the live process and the trace
+simulator (`flashmoe bench --mode core`) drive the same object.
 
-Pins: every expert a worker acquired stays pinned until that worker's next request (or its
-``release``); a pinned expert is never chosen as a victim.
+Every expert slot is FREE, LOADING or RESIDENT:
+  - ``acquire`` answers a worker's request for one layer's experts. Resident experts are hits;
+    a missing one gets a slot (a victim chosen by the policy is evicted) and a ``Load`` that the
+    caller must run; an expert already LOADING (a prefetch, or another worker's miss) is
+    waited on, never loaded twice (it counts as a miss, and in ``n_hit_loading``). A request
+    with anything still loading returns a ``Waiter`` that ``finish_load`` completes.
+  - ``hint`` queues experts expected soon; ``issue_prefetches`` starts loads for them that
+    nobody waits for, bounded by the prefetch budget and the free queue depth the caller
+    passes in (call it again whenever depth frees up).
+  - ``finish_load`` reports a load's outcome (after its checksum was verified) and returns the
+    waiters it completed or failed.
+A LOADING expert is in the policy from the start of its load (one ``on_insert`` per load) but
+is never a victim; neither is a pinned one.
+
+Pins are per (worker, layer): a request pins its experts until the worker releases that layer
+(``release_layers`` of a later request, or ``release``), acquires the same layer again, or
+goes away (``drop_worker``). A worker can so hold layer l while it acquires layer l+1.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+import dataclasses
+import json
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Mapping
 
 from .policies import EvictionPolicy, PolicyError, make_policy, needs_future
 
 ExpertKey = tuple[int, int]  # (layer, expert)
+Worker = Hashable  # a worker's identity (the ROUTER identity bytes in the live process)
+
+STATS_KEYS = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_load_failed",
+              "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_failed",
+              "prefetch_dropped",
+              "prefetch_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
+              "n_byte_loaded")
 
 
 class AcquireFailed(Exception):
@@ -24,112 +48,337 @@ class AcquireFailed(Exception):
         self.code, self.experts = code, experts
 
 
-@dataclass
-class AcquirePlan:
-    slots: list[int]  # slot per requested expert, request order
-    loads: list[tuple[ExpertKey, int]] = field(default_factory=list)  # (key, slot) to read
+@dataclass(eq=False)
+class Waiter:
+    """An acquire parked until every expert it needs is resident."""
+    worker: Worker
+    layer: int
+    slots: list[int]
+    tag: Any  # the caller's handle for the reply (identity and seq in the live process)
+    pins: list  # the pin list this request made (dropped on failure unless replaced since)
+    missing: int = 0  # loads still outstanding
+    error: AcquireFailed | None = None  # set when one of its loads failed (or it was cancelled)
+
+
+class Load:
+    """One expert being read into its slot."""
+    __slots__ = ("key", "slot", "nbytes", "prefetch", "waiters")
+
+    def __init__(self, key: ExpertKey, slot: int, nbytes: int, prefetch: bool) -> None:
+        self.key, self.slot, self.nbytes, self.prefetch = key, slot, nbytes, prefetch
+        self.waiters: list[Waiter] = []  # requests parked on it
+
+    def __repr__(self) -> str:
+        return f"Load({self.key}, slot={self.slot}, prefetch={self.prefetch})"
 
 
 class CacheManagerCore:
-    def __init__(self, known: set[ExpertKey], n_slots: int, policy: str = "lru",
-                 policy_params: dict | None = None, scope: str = "global") -> None:
+    def __init__(self, expert_bytes: Mapping[ExpertKey, int], n_slots: int,
+                 policy: str = "lru", policy_params: Mapping | None = None,
+                 scope: str = "global", prefetch_budget: int = 0,
+                 prefetch_window: int | None = None, allow_oracle: bool = False) -> None:
+        """``expert_bytes``: every known expert and its size (for byte counters).
+        ``prefetch_budget``: most prefetch loads in flight; ``prefetch_window``: most pending
+        hints (default: the budget). ``allow_oracle``: only the trace simulator may run
+        policies that need the future."""
         if scope not in ("global", "layer"):
             raise ValueError(f"scope must be global or layer, got {scope!r}")
-        if needs_future(policy):
+        if needs_future(policy) and not allow_oracle:
             raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
                               f"simulator (`flashmoe bench`) can run it")
-        self.known = known
+        self.expert_bytes = expert_bytes
         self.n_slots = n_slots
         self.scope = scope
-        layers = sorted({layer for layer, _ in known})
+        self.policy_name = policy
+        self.prefetch_budget = prefetch_budget
+        layers = sorted({layer for layer, _ in expert_bytes})
         if scope == "global":
-            self._policies = {None: make_policy(policy, n_slots, policy_params)}
+            self.policies: dict[int | None, EvictionPolicy] = {
+                None: make_policy(policy, n_slots, policy_params)}
         else:
             per_layer = n_slots // max(len(layers), 1)
             if per_layer < 1:
                 raise ValueError(f"{n_slots} slots cannot give each of {len(layers)} layers one")
-            self._policies = {layer: make_policy(policy, per_layer, policy_params)
-                              for layer in layers}
-        self.policy_name = policy
-        self.slot_of: dict[ExpertKey, int] = {}
+            self.policies = {layer: make_policy(policy, per_layer, policy_params)
+                             for layer in layers}
+        self.slot_of: dict[ExpertKey, int] = {}  # LOADING and RESIDENT experts
+        self.loading: dict[ExpertKey, Load] = {}
         self.free_slots = list(range(n_slots - 1, -1, -1))
-        self.pins: dict[bytes, list[ExpertKey]] = {}
-        self.pin_count: Counter[ExpertKey] = Counter()
-        self.stats = Counter(n_hit=0, n_miss=0, n_evict=0, n_load_failed=0)
+        self.pins: dict[tuple[Worker, int], list[ExpertKey]] = {}
+        # Why a key may not be evicted: one count per pin plus one while it is loading. The
+        # policies' victim() is given this dict as the keys to skip.
+        self.hold: dict[ExpertKey, int] = {}
+        self.prefetched_unused: set[ExpertKey] = set()
+        self.prefetch_inflight = 0
+        self.prefetch_window = prefetch_budget if prefetch_window is None else prefetch_window
+        self.pending_hints: OrderedDict[ExpertKey, None] = OrderedDict()
+        self.stats = Counter(dict.fromkeys(STATS_KEYS, 0))
+
+    # --- pins -----------------------------------------------------------------------------
 
     def _policy(self, key: ExpertKey) -> EvictionPolicy:
-        return self._policies[None if self.scope == "global" else key[0]]
+        return self.policies[None if self.scope == "global" else key[0]]
 
-    def release(self, worker: bytes) -> None:
-        for key in self.pins.pop(worker, ()):
-            self.pin_count[key] -= 1
-            if not self.pin_count[key]:
-                del self.pin_count[key]
+    def _let_go(self, keys: Iterable[ExpertKey]) -> None:
+        hold = self.hold
+        for key in keys:
+            left = hold[key] - 1
+            if left:
+                hold[key] = left
+            else:
+                del hold[key]
 
-    def _pin(self, worker: bytes, key: ExpertKey) -> None:
-        self.pins.setdefault(worker, []).append(key)
-        self.pin_count[key] += 1
+    def _unpin(self, worker: Worker, layer: int) -> None:
+        keys = self.pins.pop((worker, layer), None)
+        if keys:
+            self._let_go(keys)
 
-    def _make_room(self, key: ExpertKey) -> int:
-        policy = self._policy(key)
+    def release(self, worker: Worker, layers: Iterable[int] | None = None) -> None:
+        """Drop the worker's pins of ``layers`` (every layer when None)."""
+        if layers is None:
+            layers = [layer for (w, layer) in self.pins if w == worker]
+        for layer in layers:
+            self._unpin(worker, layer)
+
+    def drop_worker(self, worker: Worker) -> int:
+        """A worker went away: its pins go, its parked requests are cancelled (never
+        answered). Returns how many requests were cancelled."""
+        self.release(worker)
+        cancelled = 0
+        for load in self.loading.values():
+            for waiter in load.waiters:
+                if waiter.worker == worker and waiter.error is None:
+                    waiter.error = AcquireFailed("worker_gone", "the worker went away", [])
+                    cancelled += 1
+        return cancelled
+
+    def pinned_by(self, worker: Worker) -> dict[int, list[ExpertKey]]:
+        return {layer: list(keys) for (w, layer), keys in self.pins.items() if w == worker}
+
+    def pinned_keys(self) -> set[ExpertKey]:
+        return {key for keys in self.pins.values() for key in keys}
+
+    # --- room -----------------------------------------------------------------------------
+
+    def _make_room(self, policy: EvictionPolicy) -> int | None:
+        """A free slot, evicting the policy's victim if needed; None if every resident
+        expert of this budget is pinned or loading."""
         if self.free_slots and len(policy) < policy.capacity:
             return self.free_slots.pop()
-        victim = policy.victim(self.pin_count)
+        victim = policy.victim(self.hold)
         if victim is None:
-            raise AcquireFailed("no_free_slot",
-                                f"every one of the {policy.capacity} slots of this budget is "
-                                f"pinned or loading; raise cache.capacity_experts", [key[1]])
+            return None
         policy.on_evict(victim)
         self.stats["n_evict"] += 1
+        if self.prefetched_unused and victim in self.prefetched_unused:
+            self.prefetched_unused.discard(victim)
+            self.stats["prefetch_wasted"] += 1
+            self.stats["prefetch_wasted_bytes"] += self.expert_bytes[victim]
         return self.slot_of.pop(victim)
 
-    def acquire(self, worker: bytes, layer: int, experts: list[int]) -> AcquirePlan:
-        """Plan an acquire; the worker's previous pins are dropped first."""
-        self.release(worker)
-        unknown = [e for e in experts if (layer, e) not in self.known]
-        if unknown:
-            raise AcquireFailed("unknown_expert", f"layer {layer} has no expert(s) {unknown}",
-                                unknown)
-        plan = AcquirePlan(slots=[])
-        planned: dict[ExpertKey, int] = {}
-        try:
-            for expert in experts:
-                key = (layer, expert)
-                if key in planned:
-                    plan.slots.append(planned[key])
-                    continue
-                slot = self.slot_of.get(key)
-                if slot is not None:
-                    self.stats["n_hit"] += 1
-                    self._policy(key).on_hit(key)
-                else:
-                    self.stats["n_miss"] += 1
-                    policy = self._policy(key)
-                    policy.on_miss(key)
-                    slot = self._make_room(key)
-                    # In the policy from now on (pinned, so never a victim) so that a policy's
-                    # per-miss state is consumed before the next miss of this request.
-                    policy.on_insert(key)
-                    plan.loads.append((key, slot))
-                self._pin(worker, key)
-                planned[key] = slot
-                plan.slots.append(slot)
-        except AcquireFailed:
-            for key, slot in plan.loads:
-                self._policy(key).on_evict(key)
-                self.free_slots.append(slot)
-            self.release(worker)
-            raise
-        return plan
+    def _start_load(self, key: ExpertKey, slot: int, prefetch: bool) -> Load:
+        load = Load(key, slot, self.expert_bytes[key], prefetch)
+        self.loading[key] = load
+        self.slot_of[key] = slot
+        self.hold[key] = self.hold.get(key, 0) + 1
+        return load
 
-    def finish_load(self, key: ExpertKey, slot: int, ok: bool) -> None:
-        """A planned load ended; on success the expert becomes resident in ``slot``."""
+    # --- requests -------------------------------------------------------------------------
+
+    def acquire(self, worker: Worker, layer: int, experts: list[int],
+                release_layers: Iterable[int] = (), tag: Any = None
+                ) -> tuple[list[int], list[Load], Waiter | None]:
+        """Plan one request: (slot per expert in request order, loads the caller must start,
+        a Waiter when some expert is not resident yet, else None: answer now)."""
+        pins = self.pins
+        for released in release_layers:
+            keys = pins.pop((worker, released), None)
+            if keys:
+                self._let_go(keys)
+        keys = pins.pop((worker, layer), None)
+        if keys:
+            self._let_go(keys)
+        keys = [(layer, expert) for expert in experts]
+        known = self.expert_bytes
+        for key in keys:
+            if key not in known:
+                unknown = [k[1] for k in keys if k not in known]
+                raise AcquireFailed("unknown_expert",
+                                    f"layer {layer} has no expert(s) {unknown}", unknown)
+        slot_of, loading, hold = self.slot_of, self.loading, self.hold
+        policy = self.policies[None if self.scope == "global" else layer]
+        slots: list[int] = []
+        new_loads: list[Load] = []
+        pending: list[Load] = []
+        pinned: list[ExpertKey] = []
+        n_hit = n_miss = n_loading = 0
+        try:
+            for key in keys:
+                slot = slot_of.get(key)
+                if key in pinned:  # a duplicate within this request
+                    slots.append(slot)
+                    continue
+                if slot is None:
+                    n_miss += 1
+                    policy.on_miss(key)
+                    slot = self._make_room(policy)
+                    if slot is None:
+                        raise AcquireFailed(
+                            "no_free_slot", f"every one of the {policy.capacity} slots of this "
+                            f"budget is pinned or loading; raise cache.capacity_experts",
+                            [key[1]])
+                    # In the policy from now on (loading, so never a victim) so that a
+                    # policy's per-miss state is consumed before the next miss.
+                    policy.on_insert(key)
+                    load = self._start_load(key, slot, prefetch=False)
+                    new_loads.append(load)
+                    pending.append(load)
+                else:
+                    policy.on_hit(key)
+                    load = loading.get(key)
+                    if load is None:
+                        n_hit += 1
+                        if key in self.prefetched_unused:
+                            self._prefetch_used(key)
+                    else:
+                        n_miss += 1
+                        n_loading += 1
+                        pending.append(load)
+                        if load.prefetch and not load.waiters:
+                            self._prefetch_used(key)
+                hold[key] = hold.get(key, 0) + 1
+                pinned.append(key)
+                slots.append(slot)
+        except AcquireFailed:
+            for load in new_loads:
+                self._abandon(load)
+            new_loads = []
+            self._let_go(pinned)
+            raise
+        finally:
+            stats = self.stats
+            stats["n_hit"] += n_hit
+            stats["n_miss"] += n_miss
+            stats["n_hit_loading"] += n_loading
+            stats["n_load"] += len(new_loads)
+        pins[(worker, layer)] = pinned
+        if not pending:
+            return slots, new_loads, None
+        waiter = Waiter(worker, layer, slots, tag, pinned, missing=len(pending))
+        for load in pending:
+            load.waiters.append(waiter)
+        return slots, new_loads, waiter
+
+    def _prefetch_used(self, key: ExpertKey) -> None:
+        self.prefetched_unused.discard(key)
+        self.stats["prefetch_used"] += 1
+        self.stats["prefetch_used_bytes"] += self.expert_bytes[key]
+
+    def _abandon(self, load: Load) -> None:
+        """Undo a load that was planned but never started."""
+        del self.loading[load.key]
+        del self.slot_of[load.key]
+        self._let_go((load.key,))
+        self._policy(load.key).on_evict(load.key)
+        self.free_slots.append(load.slot)
+
+    def hint(self, layer: int, experts: Iterable[int]) -> None:
+        """Experts a worker or predictor expects next (a PrefetchHint). They wait in the
+        pending queue, newest last and at most ``prefetch_window`` of them (the oldest go),
+        until ``issue_prefetches`` finds free queue depth and budget for them."""
+        pending = self.pending_hints
+        for expert in experts:
+            key = (layer, expert)
+            if key in self.expert_bytes and key not in self.slot_of:
+                pending.pop(key, None)
+                pending[key] = None
+        while len(pending) > self.prefetch_window:
+            pending.popitem(last=False)
+            self.stats["prefetch_dropped"] += 1
+
+    def issue_prefetches(self, max_loads: int) -> list[Load]:
+        """Start loads for pending hints, oldest first: at most ``max_loads`` (the free IO
+        queue depth, in experts) and within the prefetch budget (loads in flight). A hint
+        whose expert became resident or loading meanwhile is dropped; a prefetch never fails:
+        it stops where no victim can be found."""
+        room = min(max_loads, self.prefetch_budget - self.prefetch_inflight)
+        loads: list[Load] = []
+        pending = self.pending_hints
+        while room > 0 and pending:
+            key = next(iter(pending))
+            if key in self.slot_of:
+                del pending[key]
+                continue
+            policy = self._policy(key)
+            policy.on_miss(key)
+            slot = self._make_room(policy)
+            if slot is None:
+                break
+            del pending[key]
+            policy.on_insert(key)
+            load = self._start_load(key, slot, prefetch=True)
+            self.stats["n_load"] += 1
+            self.prefetch_inflight += 1
+            self.stats["prefetch_issued"] += 1
+            self.stats["prefetch_bytes"] += load.nbytes
+            loads.append(load)
+            room -= 1
+        return loads
+
+    def finish_load(self, key: ExpertKey, ok: bool, code: str = "io_error",
+                    message: str = "") -> list[Waiter]:
+        """A load ended (read and verified, or failed). Returns the waiters it completed
+        (``missing == 0``, ``error is None``: answer with their slots) or failed (``error``
+        set: answer with it; their layer's pins are already dropped). Cancelled waiters are
+        not returned."""
+        load = self.loading.pop(key)
+        self._let_go((key,))
+        if load.prefetch:
+            self.prefetch_inflight -= 1
+        done: list[Waiter] = []
         if ok:
-            self.slot_of[key] = slot
-        else:
-            self.stats["n_load_failed"] += 1
-            self._policy(key).on_evict(key)
-            self.free_slots.append(slot)
+            self.stats["n_byte_loaded"] += load.nbytes
+            if load.prefetch and not load.waiters:
+                self.prefetched_unused.add(key)
+            for waiter in load.waiters:
+                if waiter.error is None:
+                    waiter.missing -= 1
+                    if waiter.missing == 0:
+                        done.append(waiter)
+            return done
+        self.stats["n_load_failed"] += 1
+        if load.prefetch:
+            self.stats["prefetch_failed"] += 1
+        del self.slot_of[key]
+        self._policy(key).on_evict(key)
+        self.free_slots.append(load.slot)
+        for waiter in load.waiters:
+            if waiter.error is None:
+                waiter.error = AcquireFailed(code, message or f"loading layer {key[0]} expert "
+                                             f"{key[1]} failed", [key[1]])
+                if self.pins.get((waiter.worker, waiter.layer)) is waiter.pins:
+                    self._unpin(waiter.worker, waiter.layer)
+                done.append(waiter)
+        return done
+
+    def fail_all_loads(self, code: str, message: str) -> list[Waiter]:
+        """Fail every load in flight (the IO engine died): the waiters to answer."""
+        done = []
+        for key in list(self.loading):
+            done += self.finish_load(key, ok=False, code=code, message=message)
+        return done
+
+    # --- gauges ---------------------------------------------------------------------------
+
+    def policy_params_json(self) -> str:
+        """The policy's effective parameters (defaults filled in), as JSON."""
+        params = next(iter(self.policies.values())).params
+        return json.dumps(dataclasses.asdict(params), sort_keys=True)
 
     def resident(self) -> int:
-        return len(self.slot_of)
+        return len(self.slot_of) - len(self.loading)
+
+    def gauges(self) -> dict[str, int]:
+        return {"resident": self.resident(), "loading": len(self.loading),
+                "pinned": len(self.pinned_keys()), "prefetch_inflight": self.prefetch_inflight,
+                "prefetch_pending": len(self.pending_hints), "n_slots": self.n_slots}

@@ -1,10 +1,16 @@
 """The cache manager process: owns the arena and the IO engine, serves workers over ZeroMQ.
 
-One thread, one ROUTER socket (``recv_from_workers``) polled with a short timeout so that a
-stop request (SIGTERM/SIGINT only flip ``self.state``) is seen promptly. Every message goes
-through the typed decoder; bad ones are answered with ``Rejected``, counted, and the loop goes
-on. Misses are loaded through the IO engine and checksum-verified before the slot is handed
-out. When the loop dies of an exception, every known worker is sent ``Dead`` first.
+One thread runs one poll loop over: the workers' ROUTER (``recv_from_workers``), the monitor
+that reports which worker went away, the control socket, the IO engine's completion fd and
+the checksum verifier's fd. Nothing in the loop waits on the disk: a miss submits its reads
+and parks the request (the decision core keeps it), other workers' hits are answered
+meanwhile, and each completed expert is checksum-verified on a helper thread (zlib releases
+the GIL) before its waiters are answered.
+
+SIGTERM/SIGINT only flip ``self.state``; the loop does the work. When the loop ends, every
+known worker is sent ``Dead``. A failed IO engine (an error it cannot recover from, or a read
+older than ``io.read_timeout_s``) fails the waiting requests, sends ``Dead`` and exits with
+status ``EXIT_ENGINE_FAILED`` so that a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -13,50 +19,113 @@ import ctypes
 import enum
 import logging
 import os
+import queue
 import signal
 import time
 import traceback
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import zmq
 
 from common.arena import Arena
+from common.bus import ControlServer, Inbox, PeerWatch, handshake_mismatch, make_socket
 from common.config import ConfigError, FlashMoEConfig
-from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Decoder, Hello,
+from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Hello, PrefetchHint,
                              ProtocolError, Ready, Rejected, Release, Released, StatsRep,
                              StatsReq, WorkerToCache, encode)
 from common.store import ChecksumError, ExpertStore
 
-from .core import AcquireFailed, CacheManagerCore
+from .core import AcquireFailed, CacheManagerCore, Load, Waiter
 from .io_engine import IOEngineError, open_engine
 from .policies import PolicyError
 
 log = logging.getLogger("flashmoe.cache_manager")
 POLL_MS = 100
 LATENCY_WINDOW = 10_000
+EXIT_ENGINE_FAILED = 3
+# What a worker and the cache manager must agree on (the handshake compares these sections).
+HANDSHAKE_SECTIONS = ("store", "cache", "ipc")
 
 
 class State(enum.Enum):
     RUNNING = "running"
-    STOP_REQUESTED = "stop_requested"
+    STOP_REQUESTED = "stopping"
+    FAILED = "failed"
+
+
+class EngineFailed(RuntimeError):
+    """The IO engine cannot go on; the process must exit and be restarted."""
 
 
 def percentile_us(samples, q: float) -> float:
     return float(np.percentile(np.fromiter(samples, float), q)) if samples else 0.0
 
 
+class Verifier:
+    """Checksums of completed loads. A large expert is checked on a helper thread (zlib
+    releases the GIL), its result coming back through a queue and an eventfd that the poll
+    loop watches; a small one is checked inline, where the hand-off would cost more than the
+    check (``INLINE_BYTES``: about 70 us of CRC-32)."""
+
+    INLINE_BYTES = 256 * 1024
+
+    def __init__(self, store: ExpertStore, arena: Arena) -> None:
+        self.store, self.arena = store, arena
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def check(self, load: Load) -> ChecksumError | None:
+        try:
+            self.store.verify_expert_bytes(*load.key, self.arena.slot(load.slot))
+        except ChecksumError as exc:
+            return exc
+        return None
+
+    def submit(self, load: Load) -> None:
+        self._pool.submit(self._verify, load)
+
+    def _verify(self, load: Load) -> None:
+        self._done.put((load, self.check(load)))
+        os.eventfd_write(self._fd, 1)
+
+    def results(self) -> list[tuple[Load, ChecksumError | None]]:
+        try:
+            os.eventfd_read(self._fd)
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        os.close(self._fd)
+
+
 class CacheManager:
-    def __init__(self, config: FlashMoEConfig, endpoint: str) -> None:
+    def __init__(self, config: FlashMoEConfig, endpoint: str, control_endpoint: str) -> None:
         self.config = config
         self.store = ExpertStore.open(config.store.path)
         n_slots = config.cache.capacity_experts
-        # The core first: a bad policy or scope fails before any arena or ring exists.
+        # The core first: a bad policy, parameter or scope fails before any arena or ring.
         try:
-            self.core = CacheManagerCore(set(self.store.keys()), n_slots, config.cache.policy,
-                                         scope=config.cache.scope)
+            self.core = CacheManagerCore(
+                {key: self.store.expert(*key).nbytes for key in self.store.keys()}, n_slots,
+                config.cache.policy, config.cache.policy_params, scope=config.cache.scope,
+                prefetch_budget=config.prefetch.budget,
+                prefetch_window=min(config.prefetch.window, config.prefetch.budget))
         except (PolicyError, ValueError) as exc:
-            raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.scope = "
+            raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.policy_params = "
+                              f"{config.cache.policy_params!r} / cache.scope = "
                               f"{config.cache.scope!r}: {exc}") from None
         self.arena = Arena.create(n_slots, self.store.manifest.slot_bytes)
         try:
@@ -69,71 +138,117 @@ class CacheManager:
         log.info("IO engine: %s (depth %d)%s", self.engine.name, config.io.queue_depth,
                  f"; fallback because {self.engine_fallback_reason}"
                  if self.engine_fallback_reason else "")
-        self.decoder = Decoder(WorkerToCache, max_bytes=config.ipc.max_message_bytes)
+        self.verifier = Verifier(self.store, self.arena)
+        self.max_blocks = max(e.n_blocks for e in self.store.manifest.experts)
+        self.counters = Counter(rejected_malformed=0, rejected_wrong_version=0,
+                                rejected_oversized=0, rejected_unexpected=0,
+                                rejected_config_mismatch=0, n_byte_read=0, n_checksum_error=0,
+                                n_io_error=0, n_acquire=0, n_prefetch_hint=0, workers_gone=0,
+                                requests_cancelled=0)
+        self.inbox = Inbox(WorkerToCache, config.ipc.max_message_bytes, self.counters, "workers")
         self.ctx = zmq.Context()
-        self.recv_from_workers = self.ctx.socket(zmq.ROUTER)
-        self.recv_from_workers.setsockopt(zmq.LINGER, 1000)  # so Dead still goes out
-        self.recv_from_workers.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
-        self.recv_from_workers.bind(endpoint)
+        self.recv_from_workers = make_socket(self.ctx, zmq.ROUTER, config, bind=endpoint)
+        self.peers = PeerWatch(self.recv_from_workers)
+        self.control = ControlServer(self.ctx, config, control_endpoint, "cache_manager",
+                                     stats=self.stats, state=lambda: self.state.value)
         self.endpoint = endpoint
         self.workers: dict[bytes, str] = {}
-        self.counters = Counter(rejected_malformed=0, rejected_wrong_version=0,
-                                rejected_oversized=0, rejected_unexpected=0, n_byte_read=0,
-                                n_checksum_error=0, n_io_error=0, n_acquire=0)
+        self.reads: dict[int, Load] = {}  # engine batch id -> the load it carries
         self.read_latency_us: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.section_digests = config.section_digests()
         self.state = State.RUNNING
         self.handlers = {Hello: self.handle_hello, AcquireReq: self.handle_acquire,
-                         Release: self.handle_release, StatsReq: self.handle_stats}
+                         PrefetchHint: self.handle_prefetch, Release: self.handle_release,
+                         StatsReq: self.handle_stats}
 
     # --- loop ---------------------------------------------------------------------------
 
     def request_stop(self, *_args) -> None:
-        self.state = State.STOP_REQUESTED
+        if self.state is State.RUNNING:
+            self.state = State.STOP_REQUESTED
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.recv_from_workers, zmq.POLLIN)
+        poller.register(self.control.socket, zmq.POLLIN)
+        poller.register(self.engine.fileno(), zmq.POLLIN)
+        poller.register(self.verifier.fileno(), zmq.POLLIN)
+        read_timeout_s = self.config.io.read_timeout_s
+        next_tick = time.monotonic()
         try:
             while self.state is State.RUNNING:
-                if not poller.poll(POLL_MS):
-                    continue
-                while self.state is State.RUNNING:
-                    try:
-                        frames = self.recv_from_workers.recv_multipart(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    self.dispatch(frames)
+                events = dict(poller.poll(POLL_MS))
+                try:
+                    if self.recv_from_workers in events:
+                        self.serve_one_worker_message()
+                    # Reads in flight are reaped on every turn of the loop, not only when the
+                    # completion fd fires (a held-back completion signals nothing).
+                    if self.reads:
+                        self.reap()
+                        self.engine.check_timeout(read_timeout_s)
+                        self.issue_prefetches()  # reads completed: depth may be free
+                    if self.verifier.fileno() in events:
+                        for load, error in self.verifier.results():
+                            self.verified(load, error)
+                except IOEngineError as exc:
+                    self.engine_failed(exc)
+                if self.control.socket in events:
+                    self.control.serve()
+                if not events or time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + POLL_MS / 1000
+                    self.check_peers()
             self.broadcast_dead("cache manager shut down")
+        except EngineFailed as exc:
+            self.broadcast_dead(f"cache manager failed: {exc}")
+            raise
         except Exception as exc:
             self.broadcast_dead(f"cache manager crashed: {exc!r}")
             raise
         finally:
             self.close()
 
-    def dispatch(self, frames: list[bytes]) -> None:
-        identity = frames[0]
-        if len(frames) != 2:
-            self.reject(identity, ProtocolError("malformed", f"{len(frames) - 1} frames, "
-                                                             f"expected 1"))
-            return
-        try:
-            message = self.decoder.decode(frames[1])
-        except ProtocolError as exc:
-            self.reject(identity, exc)
-            return
-        if not isinstance(message, Hello) and identity not in self.workers:
-            self.reject(identity, ProtocolError("unexpected", "send Hello before anything else"))
-            return
-        self.handlers[type(message)](identity, message)
+    def check_peers(self) -> None:
+        """Drop the workers whose connection closed or missed its heartbeats (on the loop's
+        tick, and before a new worker is registered: see PeerWatch)."""
+        for identity in self.peers.disconnected():
+            self.worker_gone(identity)
 
-    def reject(self, identity: bytes, exc: ProtocolError) -> None:
-        self.counters[f"rejected_{exc.code}"] += 1
-        log.warning("rejected a message from %r: %s", identity, exc)
-        self.send(identity, Rejected(exc.code, str(exc)[:4000]))
+    def serve_one_worker_message(self) -> None:
+        """One message per turn of the loop: a poll that finds more returns at once, and no
+        turn pays for an empty non-blocking receive."""
+        sock = self.recv_from_workers
+        identity = sock.recv(zmq.NOBLOCK)
+        # The body as a frame: a Hello's frame names the connection (PeerWatch).
+        body = sock.recv(copy=False)
+        extra = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+            extra += 1
+        self.dispatch(identity, body, extra)
+
+    def dispatch(self, identity: bytes, body: zmq.Frame, extra_frames: int = 0) -> None:
+        if extra_frames:
+            self.counters["rejected_malformed"] += 1
+            self.send(identity, Rejected("malformed", f"{extra_frames + 1} frames, expected 1"))
+            return
+        message = self.inbox.decode(body.buffer)
+        if isinstance(message, ProtocolError):
+            self.send(identity, Rejected(message.code, str(message)[:4000]))
+            return
+        if isinstance(message, Hello):
+            self.check_peers()
+            self.handle_hello(identity, message, body)
+        elif identity not in self.workers:
+            self.counters["rejected_unexpected"] += 1
+            self.send(identity, Rejected("unexpected", "send Hello before anything else"))
+        else:
+            self.handlers[type(message)](identity, message)
 
     def send(self, identity: bytes, message) -> None:
+        sock = self.recv_from_workers
         try:
-            self.recv_from_workers.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+            sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)
+            sock.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a reply to %r: its queue is full", identity)
 
@@ -142,80 +257,144 @@ class CacheManager:
             self.send(identity, Dead(reason[:4000]))
 
     def close(self) -> None:
+        self.peers.close()
         self.recv_from_workers.close()
+        self.control.close()
         self.ctx.term()
-        self.engine.close()
+        self.engine.close()  # drains reads still in flight before the arena goes
+        self.verifier.close()
         self.arena.close()
+
+    # --- IO -----------------------------------------------------------------------------
+
+    def free_depth_experts(self) -> int:
+        """Expert loads that fit in the IO queue's free depth: reads neither in flight nor
+        queued in the engine, rounded up to whole experts (one expert when any is free, so
+        the next load is queued before the disk runs dry)."""
+        free = self.config.io.queue_depth - self.engine.inflight() - self.engine.queued()
+        return 0 if free <= 0 else -(-free // self.max_blocks)
+
+    def start_loads(self, loads: list[Load]) -> None:
+        for load in loads:
+            ops = self.store.read_ops(*load.key, load.slot)
+            try:
+                batch = self.engine.submit(ops)
+            except IOEngineError as exc:
+                if self.engine.failed:
+                    raise
+                self.counters["n_io_error"] += 1
+                self.finish(load, False, "io_error", f"submitting the reads failed: {exc}")
+                continue
+            self.reads[batch] = load
+
+    def reap(self) -> None:
+        for batch, ops in self.engine.reap():
+            load = self.reads.pop(batch, None)
+            if load is None:
+                log.error("the IO engine completed an unknown batch %d; ignored", batch)
+                continue
+            lengths = ops["length"]
+            if not np.array_equal(ops["result"], lengths):
+                self.counters["n_io_error"] += 1
+                first = ops[ops["result"] != lengths][0]
+                layer, expert = load.key
+                self.finish(load, False, "io_error",
+                            f"layer {layer} expert {expert}: read of stripe "
+                            f"{int(first['file_index'])} returned {int(first['result'])} of "
+                            f"{int(first['length'])} bytes")
+                continue
+            self.counters["n_byte_read"] += int(lengths.sum())
+            self.read_latency_us.append(
+                (int(ops["t_complete_ns"].max()) - int(ops["t_submit_ns"].min())) / 1000)
+            if not self.config.io.verify_checksums:
+                self.finish(load, True)
+            elif load.nbytes <= Verifier.INLINE_BYTES:
+                self.verified(load, self.verifier.check(load))
+            else:
+                self.verifier.submit(load)
+
+    def verified(self, load: Load, error: ChecksumError | None) -> None:
+        if error is None:
+            self.finish(load, True)
+        else:
+            self.counters["n_checksum_error"] += 1
+            log.error("%s", error)
+            self.finish(load, False, "checksum", str(error))
+
+    def finish(self, load: Load, ok: bool, code: str = "", message: str = "") -> None:
+        for waiter in self.core.finish_load(load.key, ok, code, message):
+            self.answer(waiter)
+
+    def answer(self, waiter: Waiter) -> None:
+        identity, seq = waiter.tag
+        if identity not in self.workers:
+            return
+        if waiter.error is None:
+            self.send(identity, AcquireRep(seq, waiter.layer, waiter.slots))
+        else:
+            self.send(identity, AcquireError(seq, waiter.layer, waiter.error.code,
+                                             str(waiter.error)[:4000], waiter.error.experts))
+
+    def engine_failed(self, exc: IOEngineError) -> None:
+        """Fail every waiting request with a typed error, then stop with a failure status."""
+        self.state = State.FAILED
+        code = "io_timeout" if "read_timeout" in str(exc) else "io_error"
+        log.error("IO engine failed: %s", exc)
+        for waiter in self.core.fail_all_loads(code, f"IO engine failed: {exc}"):
+            self.answer(waiter)
+        self.reads.clear()
+        raise EngineFailed(str(exc))
 
     # --- handlers -----------------------------------------------------------------------
 
-    def handle_hello(self, identity: bytes, msg: Hello) -> None:
+    def handle_hello(self, identity: bytes, msg: Hello, frame: zmq.Frame) -> None:
+        differ = handshake_mismatch(self.section_digests, msg.config_digests,
+                                    HANDSHAKE_SECTIONS)
+        if differ:
+            self.counters["rejected_config_mismatch"] += 1
+            log.warning("refused worker %s[%d]: config differs in %s", msg.worker_name, msg.pid,
+                        ", ".join(differ))
+            self.send(identity, Rejected("config_mismatch", ",".join(differ)))
+            return
         self.workers[identity] = f"{msg.worker_name}[{msg.pid}]"
+        self.peers.remember(identity, frame)
         log.info("worker %s connected", self.workers[identity])
         self.send(identity, Ready(self.arena.name, self.arena.slot_bytes, self.arena.n_slots,
                                   str(self.store.path.resolve()), self.engine.name,
-                                  self.config.digest()))
+                                  self.section_digests))
+
+    def worker_gone(self, identity: bytes) -> None:
+        name = self.workers.pop(identity, None)
+        if name is None:
+            return
+        cancelled = self.core.drop_worker(identity)
+        self.counters["workers_gone"] += 1
+        self.counters["requests_cancelled"] += cancelled
+        log.info("worker %s went away; its pins are dropped", name)
 
     def handle_acquire(self, identity: bytes, msg: AcquireReq) -> None:
         self.counters["n_acquire"] += 1
         try:
-            plan = self.core.acquire(identity, msg.layer, list(msg.experts))
+            slots, loads, waiter = self.core.acquire(identity, msg.layer, msg.experts,
+                                                     msg.release_layers, tag=(identity, msg.seq))
         except AcquireFailed as exc:
             self.send(identity, AcquireError(msg.seq, msg.layer, exc.code, str(exc), exc.experts))
             return
-        if plan.loads:
-            failure = self.load(plan.loads)
-            if failure is not None:
-                self.core.release(identity)
-                code, message, experts = failure
-                self.send(identity, AcquireError(msg.seq, msg.layer, code, message, experts))
-                return
-        self.send(identity, AcquireRep(msg.seq, msg.layer, plan.slots))
+        if waiter is None:
+            self.send(identity, AcquireRep(msg.seq, msg.layer, slots))
+        self.start_loads(loads)
 
-    def load(self, loads) -> tuple[str, str, list[int]] | None:
-        """Read and verify every planned load; returns (code, message, experts) on failure."""
-        ops = np.concatenate([self.store.read_ops(layer, expert, slot)
-                              for (layer, expert), slot in loads])
-        try:
-            self.engine.read(ops)
-        except IOEngineError as exc:
-            for key, slot in loads:
-                self.core.finish_load(key, slot, ok=False)
-            self.counters["n_io_error"] += 1
-            return "io_error", str(exc), [expert for (_, expert), _ in loads]
-        failures, start = [], 0
-        for (layer, expert), slot in loads:
-            n_blocks = self.store.expert(layer, expert).n_blocks
-            expert_ops = ops[start:start + n_blocks]
-            start += n_blocks
-            ok = bool((expert_ops["result"] == expert_ops["length"]).all())
-            if not ok:
-                self.counters["n_io_error"] += 1
-                bad = expert_ops[expert_ops["result"] != expert_ops["length"]][0]
-                failures.append(("io_error", f"layer {layer} expert {expert}: read returned "
-                                             f"{int(bad['result'])} of {int(bad['length'])} "
-                                             f"bytes", expert))
-            elif self.config.io.verify_checksums:
-                try:
-                    self.store.verify_expert_bytes(layer, expert, self.arena.slot(slot))
-                except ChecksumError as exc:
-                    ok = False
-                    self.counters["n_checksum_error"] += 1
-                    log.error("%s", exc)
-                    failures.append(("checksum", str(exc), expert))
-            if ok:
-                self.counters["n_byte_read"] += int(expert_ops["length"].sum())
-                self.read_latency_us.append(
-                    (int(expert_ops["t_complete_ns"].max()) - int(expert_ops["t_submit_ns"].min()))
-                    / 1000)
-            self.core.finish_load((layer, expert), slot, ok)
-        if failures:
-            code = failures[0][0]
-            return code, "; ".join(f[1] for f in failures), [f[2] for f in failures]
-        return None
+    def handle_prefetch(self, identity: bytes, msg: PrefetchHint) -> None:
+        self.counters["n_prefetch_hint"] += 1
+        self.core.hint(msg.layer, msg.experts)
+        self.issue_prefetches()
+
+    def issue_prefetches(self) -> None:
+        if self.core.pending_hints:
+            self.start_loads(self.core.issue_prefetches(self.free_depth_experts()))
 
     def handle_release(self, identity: bytes, msg: Release) -> None:
-        self.core.release(identity)
+        self.core.release(identity, msg.layers or None)
         self.send(identity, Released(msg.seq))
 
     def handle_stats(self, identity: bytes, msg: StatsReq) -> None:
@@ -223,15 +402,17 @@ class CacheManager:
 
     def stats(self) -> dict:
         lat = self.read_latency_us
-        return {**self.counters, **self.core.stats, "engine": self.engine.name,
-                "engine_direct": int(self.engine.direct),
+        return {**self.counters, **self.core.stats, **self.core.gauges(),
+                **{f"control_{k}": v for k, v in self.control.counters.items()},
+                "engine": self.engine.name, "engine_direct": int(self.engine.direct),
                 "engine_fallback_reason": self.engine_fallback_reason,
-                "policy": self.core.policy_name, "resident": self.core.resident(),
-                "n_slots": self.core.n_slots, "workers": len(self.workers),
+                "engine_inflight": self.engine.inflight(), "policy": self.core.policy_name,
+                "policy_params": self.core.policy_params_json(),
+                "workers": len(self.workers), "state": self.state.value,
                 "read_p50_us": percentile_us(lat, 50), "read_p99_us": percentile_us(lat, 99)}
 
 
-def _arm_parent_death_signal() -> None:
+def arm_parent_death_signal() -> None:
     """Ask the kernel to SIGTERM us when the parent dies (Linux only)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -240,21 +421,28 @@ def _arm_parent_death_signal() -> None:
         pass
 
 
-def run_cache_manager_process(config: FlashMoEConfig, endpoint: str) -> None:
-    """Process entry: set up, serve until SIGTERM/SIGINT, shut down cleanly."""
-    _arm_parent_death_signal()
+def run_cache_manager_process(config: FlashMoEConfig, endpoint: str,
+                              control_endpoint: str) -> int:
+    """Process entry: set up, serve until SIGTERM/SIGINT, shut down cleanly. Returns the
+    exit status (``EXIT_ENGINE_FAILED`` when the IO engine failed)."""
+    arm_parent_death_signal()
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     try:
-        manager = CacheManager(config, endpoint)
+        manager = CacheManager(config, endpoint, control_endpoint)
     except Exception:
         log.error("cache manager failed to start:\n%s", traceback.format_exc())
         raise
     signal.signal(signal.SIGTERM, manager.request_stop)
     signal.signal(signal.SIGINT, manager.request_stop)
-    log.info("serving %s on %s (%d slots of %d bytes, policy %s) pid %d",
-             config.store.path, endpoint, manager.arena.n_slots, manager.arena.slot_bytes,
-             config.cache.policy, os.getpid())
+    log.info("serving %s on %s, control %s (%d slots of %d bytes, policy %s) pid %d",
+             config.store.path, endpoint, control_endpoint, manager.arena.n_slots,
+             manager.arena.slot_bytes, config.cache.policy, os.getpid())
     started = time.monotonic()
-    manager.run()
+    try:
+        manager.run()
+    except EngineFailed as exc:
+        log.error("exiting after an IO engine failure: %s", exc)
+        return EXIT_ENGINE_FAILED
     log.info("stopped after %.1f s", time.monotonic() - started)
+    return 0

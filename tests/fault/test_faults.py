@@ -97,7 +97,7 @@ def test_sigterm_sends_dead_to_workers(tiny_store, start_manager):
     sock = ctx.socket(zmq.DEALER)
     sock.connect(manager.endpoint)
     decoder = Decoder(CacheToWorker)
-    sock.send(encode(Hello("raw", os.getpid(), "")))
+    sock.send(encode(Hello("raw", os.getpid(), {})))
     assert sock.poll(10000)
     decoder.decode(sock.recv())
     manager.proc.terminate()

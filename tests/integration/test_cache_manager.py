@@ -1,5 +1,6 @@
 """The cache manager as a real process, workers as real processes, over real ipc sockets."""
 
+import json
 import multiprocessing as mp
 import random
 
@@ -22,10 +23,12 @@ def worker_main(endpoint, checkpoint, store_path, seed, rounds, out):
     expected = {key: expected_expert_tensors(checkpoint, store, *key) for key in store.keys()}
     bad = 0
     with CacheClient(endpoint, name=f"worker{seed}") as client:
+        layers = store.manifest.moe_layers
         for _ in range(rounds):
-            layer = rng.choice(store.manifest.moe_layers)
+            layer = rng.choice(layers)
             experts = rng.sample(range(store.manifest.num_experts), 2)
-            for expert, tensors in zip(experts, client.acquire_tensors(layer, experts)):
+            others = [other for other in layers if other != layer]
+            for expert, tensors in zip(experts, client.acquire_tensors(layer, experts, others)):
                 for name, tensor in tensors.items():
                     if not torch.equal(tensor.view(torch.int16),
                                        expected[(layer, expert)][name].view(torch.int16)):
@@ -60,7 +63,8 @@ def test_two_workers_concurrently_get_correct_bytes(engine, tiny_store, tiny_che
         stats = client.stats()
     assert stats["engine"] == engine and stats["n_miss"] > 16 and stats["n_hit"] > 0
     assert stats["n_evict"] > 0 and stats["n_byte_read"] > 0 and stats["read_p99_us"] > 0
-    assert stats["n_checksum_error"] == 0 and stats["workers"] == 3
+    # The two workers exited: only the observer is a live worker, and nothing stays pinned.
+    assert stats["n_checksum_error"] == 0 and stats["workers"] == 1 and stats["pinned"] == 0
 
 
 def test_stats_release_and_zero_copy_views(tiny_store, start_manager):
@@ -88,7 +92,7 @@ def test_worker_config_digest_reaches_the_manager(tiny_store, start_manager):
     config = load_config(env={}, overrides=[f"store.path={tiny_store}"])
     with CacheClient(manager.endpoint, config=config) as client:
         assert client.ready.n_slots == 64 and client.ready.slot_bytes % 4096 == 0
-        assert client.ready.config_digest == config.digest()
+        assert client.ready.config_digests == config.section_digests()
 
 
 @pytest.mark.parametrize("policy", ["arc", "s3fifo", "lirs", "car", "sieve", "lfu", "fifo"])
@@ -97,7 +101,8 @@ def test_live_manager_runs_any_registered_policy(policy, tiny_store, start_manag
     with CacheClient(manager.endpoint) as client:
         rng = random.Random(0)
         for _ in range(60):
-            client.acquire(rng.choice([0, 1]), rng.sample(range(8), 2))
+            layer = rng.choice([0, 1])
+            client.acquire(layer, rng.sample(range(8), 2), release_layers=[1 - layer])
         stats = client.stats()
     assert stats["policy"] == policy and stats["n_evict"] > 0
     assert stats["n_hit"] + stats["n_miss"] == 120 and stats["resident"] <= 5
@@ -110,3 +115,20 @@ def test_bad_policy_fails_at_start_naming_the_setting(policy, words, tiny_store,
     assert manager.proc.wait(30) != 0
     log = manager.log()
     assert "cache.policy" in log and words in log
+
+
+def test_policy_params_reach_the_policy_and_bad_ones_fail_at_start(tiny_store, start_manager):
+    bad = start_manager(tiny_store, "cache.policy=s3fifo", 'cache.policy_params={"nope": 1}')
+    assert bad.proc.wait(30) != 0
+    assert "cache.policy_params" in bad.log() and "nope" in bad.log()
+    out_of_range = start_manager(tiny_store, "cache.policy=s3fifo",
+                                 'cache.policy_params={"small_ratio": 2.0}')
+    assert out_of_range.proc.wait(30) != 0 and "small_ratio" in out_of_range.log()
+    good = start_manager(tiny_store, "cache.policy=s3fifo", "cache.capacity_experts=5",
+                         'cache.policy_params={"small_ratio": 0.4}')
+    with CacheClient(good.endpoint) as client:
+        for expert in range(8):
+            client.acquire(0, [expert])
+        stats = client.stats()
+    assert stats["policy"] == "s3fifo"
+    assert json.loads(stats["policy_params"])["small_ratio"] == 0.4
