@@ -53,3 +53,14 @@ def family_for_config(config: dict) -> ModelFamily:
     known = ", ".join(t for f in FAMILIES.values() for t in f.model_types)
     raise UnsupportedModelError(
         f"model_type {model_type!r} is not a supported MoE family (supported: {known})")
+
+
+# GPT-OSS keeps a layer's experts fused on disk (``mlp.experts.gate_up_proj`` [E, H, 2I] and
+# ``down_proj`` [E, I, H], each with a bias); FlashMoE stores them per expert, in this order.
+GPT_OSS_PROJECTIONS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def gpt_oss_expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """Per-expert tensor shapes of a GPT-OSS model (transformers' layout)."""
+    return {"gate_up_proj": (hidden, 2 * intermediate), "gate_up_proj_bias": (2 * intermediate,),
+            "down_proj": (intermediate, hidden), "down_proj_bias": (hidden,)}

@@ -5,21 +5,33 @@ Starts a real cache-manager process on an ipc socket, warms one layer's experts,
 acquire for ``top_k`` resident experts. For context, in the same run it also times a bare
 ZeroMQ DEALER/ROUTER echo between two processes (the transport floor on this host) and the
 decision core's ``acquire`` alone, in-process.
+
+Head-of-line blocking: the same hits are timed again while a second worker process streams
+misses (every one of its acquires needs a real read through the IO engine and a checksum)
+at a decode worker's pace: one acquire per layer's compute time of the device model
+(gpt-oss-20b on a Jetson Orin, ``STREAM_COMPUTE_S``), in which its process sleeps as a
+worker waiting on its accelerator would. Rounds of hits under misses alternate with rounds of
+hits alone, so that a drifting machine hits both alike; ``under_misses`` against the alone
+figures shows whether one worker's misses stall another's hits.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import tempfile
 import time
 from pathlib import Path
+
+from common.bus import ipc_endpoint
 
 import numpy as np
 import zmq
 
 from common.cache_client import CacheClient
 from common.store import ExpertStore
-from flashmoe.launch import ipc_endpoint, private_runtime_dir, start_cache_manager, stop_process
+from flashmoe.device_model import DEVICES, MODEL_SHAPES
+from flashmoe.launch import start_cache_manager, stop_process
 from services.cache_manager.core import CacheManagerCore
 
 
@@ -72,10 +84,39 @@ def transport_floor_us(iterations: int, runtime: Path) -> np.ndarray:
 
 
 def core_only_us(store: ExpertStore, layer: int, experts: list[int], iterations: int) -> np.ndarray:
-    core = CacheManagerCore(set(store.keys()), n_slots=max(4 * len(experts), 16))
-    for key, slot in core.acquire(b"w", layer, experts).loads:
-        core.finish_load(key, slot, ok=True)
+    core = CacheManagerCore({key: store.expert(*key).nbytes for key in store.keys()},
+                            n_slots=max(4 * len(experts), 16))
+    for load in core.acquire(b"w", layer, experts)[1]:
+        core.finish_load(load.key, ok=True)
     return _time_loop(iterations, lambda: core.acquire(b"w", layer, experts))
+
+
+STREAM_COMPUTE_S = (DEVICES["orin-980pro"].compute_ms_per_layer(MODEL_SHAPES["gpt-oss-20b"])
+                    / 1e3)
+
+
+def _miss_streamer(endpoint: str, groups: list[tuple[int, list[int]]], go, stop, counts) -> None:
+    """A second worker: cycles through expert groups that never fit in the cache, so every
+    acquire misses, one acquire per layer's compute time, while ``go`` is set."""
+    with CacheClient(endpoint, name="miss-streamer") as client:
+        i = 0
+        while not stop.is_set():
+            if not go.wait(0.05):
+                continue
+            layer, experts = groups[i % len(groups)]
+            client.acquire(layer, experts, release_layers=[groups[(i - 1) % len(groups)][0]])
+            i += 1
+            counts.value = i
+            time.sleep(STREAM_COMPUTE_S)
+
+
+def miss_groups(store: ExpertStore, hot: set[tuple[int, int]], k: int) -> list:
+    """Groups of k experts of one layer each, from every expert outside ``hot``."""
+    groups = []
+    for layer in store.manifest.moe_layers:
+        cold = [e for (l, e) in store.keys() if l == layer and (l, e) not in hot]
+        groups += [(layer, cold[i:i + k]) for i in range(0, len(cold) - k + 1, k)]
+    return groups
 
 
 def summary(samples: np.ndarray) -> dict:
@@ -84,29 +125,59 @@ def summary(samples: np.ndarray) -> dict:
 
 
 def acquire_bench(store_path: str, iterations: int = 20000, top_k: int | None = None,
-                  engine: str = "auto") -> dict:
+                  engine: str = "auto", rounds: int = 5) -> dict:
     store = ExpertStore.open(store_path)
     layer = store.manifest.moe_layers[0]
     k = top_k or store.manifest.top_k or 2
     experts = [e for (l, e) in store.keys() if l == layer][:k]
-    runtime = private_runtime_dir()
+    groups = miss_groups(store, {(layer, e) for e in experts}, k)
+    # The hits stay pinned; the streamer holds two groups; two more slots keep it missing.
+    capacity = k + 2 * k + 2
+    if len(groups) * k <= capacity:
+        raise ValueError(f"{store_path}: too few experts for a stream of misses")
+    runtime = Path(tempfile.mkdtemp(prefix="flashmoe-acqbench-"))
     endpoint = ipc_endpoint(runtime, "cache")
     proc = start_cache_manager(store_path, endpoint,
-                               [f"io.engine={engine}", f"cache.capacity_experts={max(4 * k, 16)}"])
+                               [f"io.engine={engine}", f"cache.capacity_experts={capacity}"])
+    ctx = mp.get_context("spawn")
+    go, stop, counts = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+    streamer = ctx.Process(target=_miss_streamer, args=(endpoint, groups, go, stop, counts),
+                           daemon=True)
     try:
         with CacheClient(endpoint, name="acquire-bench") as client:
             client.acquire(layer, experts)  # load once; every timed acquire is all hits
-            acquire = _time_loop(iterations, lambda: client.acquire(layer, experts))
+            streamer.start()
+            hit = lambda: client.acquire(layer, experts)  # noqa: E731
+            alone, under = [], []
+            per_round = max(1, iterations // rounds)
+            streamed = 0.0
+            for _ in range(rounds):
+                alone.append(_time_loop(per_round, hit))
+                go.set()
+                while counts.value == 0:  # the streamer is connected and missing
+                    time.sleep(0.01)
+                before, started = counts.value, time.perf_counter()
+                under.append(_time_loop(per_round, hit))
+                streamed += (counts.value - before) / (time.perf_counter() - started)
+                go.clear()
             stats = client.stats()
         transport = transport_floor_us(iterations, runtime)
     finally:
+        stop.set()
+        go.set()
+        if streamer.pid is not None:
+            streamer.join(10)
         stop_process(proc)
         shutil.rmtree(runtime, ignore_errors=True)
     core = core_only_us(store, layer, experts, iterations)
+    acquire = np.concatenate(alone)
     return {"store": str(store_path), "layer": layer, "experts_per_acquire": len(experts),
-            "iterations": iterations, **summary(acquire),
+            "iterations": len(acquire), **summary(acquire),
             "transport_floor": summary(transport), "core_only": summary(core),
-            "engine": stats["engine"], "n_hit": stats["n_hit"], "n_miss": stats["n_miss"]}
+            "under_misses": {**summary(np.concatenate(under)),
+                             "miss_acquires_per_s": round(streamed / rounds, 1)},
+            "engine": stats["engine"], "n_hit": stats["n_hit"], "n_miss": stats["n_miss"],
+            "n_byte_read": stats["n_byte_read"]}
 
 
 def format_table(result: dict) -> str:
@@ -118,6 +189,10 @@ def format_table(result: dict) -> str:
             f"{result['transport_floor']['p99_us']:>8.1f}",
             f"{'decision core acquire, in-process':<40} {result['core_only']['median_us']:>10.1f} "
             f"{result['core_only']['p99_us']:>8.1f}",
+            f"{'the same hits while a worker streams misses':<40} "
+            f"{result['under_misses']['median_us']:>10.1f} "
+            f"{result['under_misses']['p99_us']:>8.1f}",
             f"({result['experts_per_acquire']} experts per acquire, {result['iterations']} "
-            f"iterations each)"]
+            f"iterations each; the miss stream ran at "
+            f"{result['under_misses']['miss_acquires_per_s']:.0f} acquires/s, every one a miss)"]
     return "\n".join(rows)

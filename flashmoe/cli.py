@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.config import ConfigError, describe_fields, load_config, parse_size
+from common.config import ConfigError, describe_fields, load_config
 from common.model_families import UnsupportedModelError
 from common.safetensors_io import SafetensorsError
 from common.store import StoreError
@@ -41,8 +41,15 @@ def _csv(kind):
 def cmd_convert(args) -> int:
     from flashmoe.convert import convert_checkpoint
 
-    manifest = convert_checkpoint(args.hf_dir, args.store, block_size=parse_size(args.block_size),
-                                  parallelism=args.parallelism, show_progress=not args.quiet)
+    overrides = list(args.set)
+    if args.block_size:
+        overrides.append(f"store.block_size={args.block_size}")
+    if args.parallelism:
+        overrides.append(f"store.parallelism={args.parallelism}")
+    config = load_config(profile=args.profile, file=args.config, overrides=overrides)
+    manifest = convert_checkpoint(args.hf_dir, args.store, block_size=config.store.block_size,
+                                  parallelism=config.store.parallelism,
+                                  show_progress=not args.quiet)
     total = sum(e.nbytes for e in manifest.experts)
     print(f"{args.store}: {manifest.model_family}, {len(manifest.moe_layers)} MoE layers x "
           f"{manifest.num_experts} experts, {total / 2**20:.1f} MiB of experts in "
@@ -69,8 +76,15 @@ def cmd_verify(args) -> int:
 def cmd_io_bench(args) -> int:
     from flashmoe import io_bench
 
+    extra = {}
+    if args.with_manager:
+        from functools import partial
+
+        from flashmoe.prefetch_stream import manager_prefetch_stream
+
+        extra["manager-prefetch"] = partial(manager_prefetch_stream, args.store)
     results = io_bench.io_bench(args.store, args.engine, args.depth, repeat=args.repeat,
-                                with_fio=not args.no_fio)
+                                with_fio=not args.no_fio, extra=extra)
     print(io_bench.format_table(results))
     if args.json:
         write_json(io_bench.report(results, args.store), args.json)
@@ -91,10 +105,11 @@ def cmd_acquire_bench(args) -> int:
 
 
 def cmd_serve_cache(args) -> int:
+    from common.bus import control_endpoint_for
     from services.cache_manager.process import run_cache_manager_process
 
-    run_cache_manager_process(_config(args, args.store), args.endpoint)
-    return 0
+    control = args.control_endpoint or control_endpoint_for(args.endpoint)
+    return run_cache_manager_process(_config(args, args.store), args.endpoint, control)
 
 
 def cmd_build_helper(args) -> int:
@@ -123,16 +138,13 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from common.traces import load_trace
     from flashmoe import simulator
-    from flashmoe.device_model import DEVICES, MODEL_SHAPES
+    from flashmoe.device_model import DEVICES, MODEL_SHAPES, shape_for_trace
 
     trace = load_trace(args.trace, Path(args.traces_dir))
-    shape_name = args.model or trace.model
-    if shape_name not in MODEL_SHAPES:
-        raise TraceError(f"no model-shape profile {shape_name!r} for the trace's model (choices: "
-                         f"{', '.join(MODEL_SHAPES)}); pass --model")
+    shape = shape_for_trace(trace, args.model, args.expert_bytes)
     report = simulator.run_bench(trace, args.scope, args.capacity, args.policies,
-                                 DEVICES[args.device], MODEL_SHAPES[shape_name], jobs=args.jobs,
-                                 progress=not args.quiet)
+                                 DEVICES[args.device], shape, mode=args.mode, jobs=args.jobs,
+                                 progress=False if args.quiet else None)
     print(simulator.format_table(report))
     if args.json:
         write_json(report, args.json)
@@ -149,6 +161,20 @@ def cmd_trace_record(args) -> int:
     trace = record_trace(args.model, args.prompts, args.out, max_new_tokens=args.max_new_tokens)
     print(f"{args.out}: {trace.n_sequences} sequences, {trace.n_tokens} decode tokens, "
           f"{trace.num_layers} MoE layers x top-{trace.top_k} of {trace.num_experts} experts")
+    return 0
+
+
+def cmd_trace_worker(args) -> int:
+    from common.traces import load_trace
+    from services.inference_worker.process import run_trace_worker
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    config = _config(args) if (args.config or args.set or args.profile) else None
+    stats = run_trace_worker(config, args.cache, trace, args.start, args.tokens)
+    keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read")
+    print(json.dumps({k: stats[k] for k in keys}))
+    if args.json:
+        write_json(stats, args.json)
     return 0
 
 
@@ -170,9 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF MoE checkpoint folder -> block-striped expert store")
     p.add_argument("hf_dir")
     p.add_argument("store")
-    p.add_argument("--block-size", default="256K", help="bytes per block (default 256K)")
-    p.add_argument("--parallelism", type=int, default=4, help="stripe files (default 4)")
+    p.add_argument("--block-size", help="bytes per block, e.g. 256K (default: store.block_size "
+                                        "of the profile/config)")
+    p.add_argument("--parallelism", type=int, help="stripe files (default: store.parallelism)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flags(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("verify", help="check every block's checksum; non-zero on the first bad")
@@ -187,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_csv(int), default=[8], help="queue depth(s), e.g. 1,8,32")
     p.add_argument("--repeat", type=int, default=5, help="interleaved passes per figure (median)")
     p.add_argument("--no-fio", action="store_true", help="skip the fio ceiling")
+    p.add_argument("--with-manager", action="store_true",
+                   help="also a live cache manager loading every expert by PrefetchHints "
+                        "(row manager-prefetch), in the same rounds")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=cmd_io_bench)
 
@@ -200,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-cache", help="run the cache manager process")
     p.add_argument("store")
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///x.sock")
+    p.add_argument("--control-endpoint", help="control socket (health, stats); default: "
+                                              "the endpoint's x.control.sock for ipc")
     _add_config_flags(p)
     p.set_defaults(func=cmd_serve_cache)
 
@@ -233,11 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
                    default=["lru", "arc", "lirs", "car", "s3fifo", "sieve", "belady"])
     p.add_argument("--device", choices=sorted(DEVICE_NAMES), default="orin-980pro")
     p.add_argument("--model", help="model-shape profile for expert bytes (default: the trace's)")
+    p.add_argument("--expert-bytes", type=int, help="bytes per expert, for a trace of a model "
+                                                     "without a shape profile")
+    p.add_argument("--mode", choices=("core", "requests"), default="core",
+                   help="core: the cache manager's core on a virtual clock (default); "
+                        "requests: the plain per-request replay (libCacheSim's protocol)")
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none either when "
+                                                        "stderr is not a terminal)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("trace", help="routing traces")
@@ -249,6 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="trace file to write (.npz)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.set_defaults(func=cmd_trace_record)
+
+    p = sub.add_parser("trace-worker", help="replay a routing trace through a live cache "
+                                            "manager, as a worker")
+    p.add_argument("--cache", required=True, help="the cache manager's endpoint")
+    p.add_argument("--trace", default="gptoss20b:eval")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--start", type=int, default=0, help="first decode step (row) to replay")
+    p.add_argument("--tokens", type=int, help="decode steps to replay (default: all)")
+    p.add_argument("--json", metavar="FILE", help="write the cache manager's stats at the end")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_trace_worker)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

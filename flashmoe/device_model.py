@@ -17,9 +17,11 @@ by the device's effective memory bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+
+from common.traces import TraceError
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,23 @@ DEVICES = {
 }
 
 
+def shape_for_trace(trace, model: str | None = None,
+                    expert_bytes: int | None = None) -> ModelShape | None:
+    """The shape profile named by ``model`` or by the trace's own model; for a model without
+    one, a shape from ``expert_bytes`` (no dense weights counted) or None (hit rates only)."""
+    name = model or trace.model
+    if name in MODEL_SHAPES:
+        shape = MODEL_SHAPES[name]
+        return shape if expert_bytes is None else replace(shape, expert_bytes=expert_bytes)
+    if model:
+        raise TraceError(f"no model-shape profile {model!r} (choices: "
+                         f"{', '.join(MODEL_SHAPES)})")
+    if expert_bytes is None:
+        return None
+    return ModelShape(name or "custom", trace.num_layers, trace.num_experts, trace.top_k,
+                      expert_bytes, 0)
+
+
 def describe(device: DeviceModel, shape: ModelShape) -> dict:
     return {"device": asdict(device), "model": asdict(shape),
             "compute_ms_per_layer": round(device.compute_ms_per_layer(shape), 4)}
@@ -84,3 +103,23 @@ def token_time_ms(misses_per_token_layer: np.ndarray, device: DeviceModel,
     load = np.where(misses > 0, device.ssd_latency_ms
                     + misses * shape.expert_bytes / device.ssd_bytes_per_s * 1e3, 0.0)
     return device.compute_ms_per_layer(shape) + load
+
+
+class SimulatedSSD:
+    """The virtual clock's disk: one channel of ``ssd_bytes_per_s`` shared by every read,
+    demand and prefetch alike (a prefetch is never free), ``ssd_latency_ms`` to the first byte,
+    reads served in issue order. A read issued at ``now`` starts when both its latency has
+    passed and the channel is free, and holds the channel for ``nbytes / bandwidth``; so a
+    batch of m reads issued to an idle disk ends ``latency + m * bytes / bandwidth`` later,
+    as in ``token_time_ms``."""
+
+    def __init__(self, device: DeviceModel) -> None:
+        self.latency_ms = device.ssd_latency_ms
+        self.ms_per_byte = 1e3 / device.ssd_bytes_per_s
+        self.free_at = 0.0
+
+    def read(self, now: float, nbytes: int) -> float:
+        """Issue one read at ``now``; returns its completion time (ms)."""
+        start = max(now + self.latency_ms, self.free_at)
+        self.free_at = start + nbytes * self.ms_per_byte
+        return self.free_at

@@ -1,4 +1,15 @@
-"""Trace replay: the cache manager's own policy classes on a routing trace (`flashmoe bench`).
+"""Trace replay (`flashmoe bench`): the cache manager's own code on a routing trace.
+
+Two modes:
+  - ``core`` (the default): the live cache manager's decision core (``CacheManagerCore``:
+    ``(layer, expert)`` keys, per-layer pins, LOADING states, prefetch accounting) driven by
+    the inference worker's own acquire schedule on a virtual clock. Reads complete when the
+    device model's disk says so (one SSD channel shared by every read), each layer computes
+    for the device model's compute time once its experts are resident; a layer that waits
+    for a read is a stall. Its hit and miss counts are what the live manager gives on the
+    same trace slice (a test checks that).
+  - ``requests``: the plain per-request replay of the policy objects (``policy.request``,
+    int keys, no pins), the protocol libCacheSim implements; kept for the cross-check.
 
 Request model (``../shared/traces/README.md``): every (token, layer, expert) selection is one
 request, token-major then layer-major, a row's experts in stored order.
@@ -13,8 +24,11 @@ Belady's MIN is fed each request's next-use position (within the same cache's li
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import multiprocessing as mp
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -22,9 +36,14 @@ import numpy as np
 from tqdm import tqdm
 
 from common.traces import Trace, TraceError
-from flashmoe.device_model import DeviceModel, ModelShape, describe, token_time_ms
+from flashmoe.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
+from services.cache_manager.core import AcquireFailed, CacheManagerCore
 from services.cache_manager.policies import POLICIES, PolicyError, make_policy, needs_future
 from services.cache_manager.policies.belady import NEVER
+from services.inference_worker.core import acquire_schedule
+
+MODES = ("core", "requests")
+SIM_WORKER = b"simulated-worker"
 
 
 @dataclass
@@ -36,25 +55,33 @@ class Requests:
     n_layers: int
 
 
-def build_requests(trace: Trace, scope: str) -> Requests:
+def build_requests(trace: Trace, scope: str, order: str = "replay") -> Requests:
+    """Every request as an int key (layer * experts + expert). ``order="replay"``: the
+    per-request replay's order (layer scope: sequence, layer, token); ``order="token"``:
+    token-major always (the core mode's order, cache lifetimes at sequence starts in the
+    layer scope)."""
     T, L, K = trace.experts.shape
     E = trace.num_experts
-    if scope == "global":
-        keys = (trace.experts.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[None, :, None])
-        return Requests(keys.reshape(-1), np.array([0, T * L * K], dtype=np.int64),
-                        np.repeat(np.arange(T * L, dtype=np.int64), K), T, L)
-    if scope != "layer":
+    if scope not in ("global", "layer"):
         raise ValueError(f"scope must be global or layer, got {scope!r}")
+    keys = (trace.experts.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[None, :, None])
+    token_layer = np.repeat(np.arange(T * L, dtype=np.int64), K)
+    if scope == "global":
+        return Requests(keys.reshape(-1), np.array([0, T * L * K], dtype=np.int64),
+                        token_layer, T, L)
+    if order == "token":
+        return Requests(keys.reshape(-1), (trace.offsets * L * K).astype(np.int64),
+                        token_layer, T, L)
     seq_of_token = np.repeat(np.arange(trace.n_sequences), np.diff(trace.offsets))
     flat = np.arange(T * L * K, dtype=np.int64)
     token, layer = flat // (L * K), (flat // K) % L
     # Sequence-major, then layer, then token order, then the row's own order (stable sort).
     segment = seq_of_token[token] * L + layer
-    order = np.argsort(segment, kind="stable")
-    seg_sorted = segment[order]
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(seg_sorted)) + 1, [len(order)]])
-    return Requests(trace.experts.reshape(-1).astype(np.int64)[order], starts.astype(np.int64),
-                    order // K, T, L)
+    order_ = np.argsort(segment, kind="stable")
+    seg_sorted = segment[order_]
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(seg_sorted)) + 1, [len(order_)]])
+    return Requests(trace.experts.reshape(-1).astype(np.int64)[order_], starts.astype(np.int64),
+                    order_ // K, T, L)
 
 
 def next_use_positions(requests: Requests) -> np.ndarray:
@@ -72,7 +99,7 @@ def next_use_positions(requests: Requests) -> np.ndarray:
 
 def replay(policy: str, capacity: int, requests: Requests, next_use: np.ndarray | None = None,
            params: dict | None = None) -> np.ndarray:
-    """Hit (True) or miss of every request, in replay order."""
+    """``requests`` mode: hit (True) or miss of every request, in replay order."""
     keys = requests.keys.tolist()
     starts = requests.starts.tolist()
     oracle = needs_future(policy)
@@ -91,15 +118,102 @@ def replay(policy: str, capacity: int, requests: Requests, next_use: np.ndarray 
     return np.fromiter(out, dtype=bool, count=len(keys))
 
 
-# Worker processes inherit the requests through fork instead of pickling 7.6 M keys per job.
+@dataclass
+class CoreRun:
+    hits: np.ndarray  # hits of each (token, layer) step, token-major (int8)
+    stats: dict  # the core's counters, summed over its lifetimes
+    total_ms: float  # virtual time of the whole replay
+    stall_ms: float  # of which layers waited for reads
+
+
+def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: DeviceModel,
+                expert_bytes: int, compute_ms: float, next_use: np.ndarray | None = None,
+                params: dict | None = None) -> CoreRun:
+    """``core`` mode: the cache manager's core on a virtual clock, driven by the worker's
+    acquire schedule. ``next_use``: per request in token-major order (oracle policies)."""
+    L, E = trace.num_layers, trace.num_experts
+    sizes = {(layer, expert): expert_bytes for layer in range(L) for expert in range(E)}
+    n_slots = capacity * (L if scope == "layer" else 1)
+    # One cache for the whole trace (global), or a fresh one per sequence (layer scope).
+    bounds = trace.offsets.tolist() if scope == "layer" else [0, trace.n_tokens]
+    hits = np.zeros(trace.n_tokens * L, dtype=np.int8)
+    totals: dict = {}
+    ssd = SimulatedSSD(device)
+    tie = itertools.count()
+    now = stall = 0.0
+    K = trace.top_k
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        core = CacheManagerCore(sizes, n_slots, policy, params, scope=scope, allow_oracle=True)
+        if next_use is not None:
+            for p in core.policies.values():
+                p.feed(next_use[start * L * K:stop * L * K].tolist())
+        acquire, finish, stats = core.acquire, core.finish_load, core.stats
+        heap: list = []
+        step = start * L
+        for _token, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
+            while heap and heap[0][0] <= now:
+                finish(heapq.heappop(heap)[2], True)
+            before = stats["n_hit"]
+            _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release)
+            for load in loads:
+                heapq.heappush(heap, (ssd.read(now, load.nbytes), next(tie), load.key))
+            if waiter is not None:
+                while waiter.missing:
+                    done_at, _, key = heapq.heappop(heap)
+                    finish(key, True)
+                    if done_at > now:
+                        stall += done_at - now
+                        now = done_at
+            hits[step] = stats["n_hit"] - before
+            step += 1
+            now += compute_ms
+        while heap:
+            finish(heapq.heappop(heap)[2], True)
+        for name, value in stats.items():
+            totals[name] = totals.get(name, 0) + value
+    return CoreRun(hits, totals, now, stall)
+
+
+# Worker processes inherit the trace through fork instead of pickling it per job.
 _SHARED: dict = {}
 
 
-def _run_job(job: tuple[str, int]) -> tuple[str, int, np.ndarray, float]:
+def _run_job(job: tuple[str, int]) -> tuple[str, int, dict, float]:
     policy, capacity = job
     started = time.perf_counter()
-    hits = replay(policy, capacity, _SHARED["requests"], _SHARED.get("next_use"))
-    return policy, capacity, np.packbits(hits), time.perf_counter() - started
+    if _SHARED["mode"] == "core":
+        metrics = _core_job(policy, capacity)
+    else:
+        metrics = _requests_job(policy, capacity)
+    return policy, capacity, metrics, time.perf_counter() - started
+
+
+def _requests_job(policy: str, capacity: int) -> dict:
+    requests, shape, device = _SHARED["requests"], _SHARED["shape"], _SHARED["device"]
+    hits = replay(policy, capacity, requests, _SHARED.get("next_use"))
+    n_hits = int(hits.sum())
+    out = {"hits": n_hits, "loads": len(hits) - n_hits}
+    if shape is not None:
+        misses = np.bincount(requests.token_layer[~hits],
+                             minlength=requests.n_tokens * requests.n_layers)
+        out["total_ms"] = float(token_time_ms(misses, device, shape).sum())
+    return out
+
+
+def _core_job(policy: str, capacity: int) -> dict:
+    trace, scope, shape, device = (_SHARED[k] for k in ("trace", "scope", "shape", "device"))
+    try:
+        run = replay_core(policy, capacity, trace, scope, device,
+                          shape.expert_bytes if shape else 0,
+                          device.compute_ms_per_layer(shape) if shape else 0.0,
+                          _SHARED.get("next_use") if needs_future(policy) else None)
+    except AcquireFailed as exc:
+        return {"infeasible": str(exc)}
+    out = {"hits": run.stats["n_hit"], "loads": run.stats["n_load"],
+           "n_hit_loading": run.stats["n_hit_loading"]}
+    if shape is not None:
+        out["total_ms"], out["stall_ms"] = run.total_ms, run.stall_ms
+    return out
 
 
 def capacity_for(fraction: float, trace: Trace, scope: str) -> int:
@@ -111,29 +225,39 @@ def capacity_for(fraction: float, trace: Trace, scope: str) -> int:
     return capacity
 
 
+def show_progress(progress: bool | None) -> bool:
+    """Progress bars only on a terminal unless asked for explicitly."""
+    return sys.stderr.isatty() if progress is None else progress
+
+
 def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[str],
-              device: DeviceModel, shape: ModelShape, jobs: int | None = None,
-              progress: bool = True) -> dict:
+              device: DeviceModel, shape: ModelShape | None, mode: str = "core",
+              jobs: int | None = None, progress: bool | None = None) -> dict:
+    """``shape`` None: a model without a shape profile; hit rates only, the time and byte
+    columns are null."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise PolicyError(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     capacities = {f: capacity_for(f, trace, scope) for f in fractions}  # fail before any work
     started = time.perf_counter()
-    requests = build_requests(trace, scope)
+    _SHARED.update(mode=mode, trace=trace, scope=scope, shape=shape, device=device)
+    requests = build_requests(trace, scope, order="token" if mode == "core" else "replay")
     _SHARED["requests"] = requests
     if any(needs_future(p) for p in policies):
         _SHARED["next_use"] = next_use_positions(requests)
     work = [(p, capacities[f]) for f in fractions for p in policies]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
-    hits_of: dict[tuple[str, int], np.ndarray] = {}
+    metrics: dict[tuple[str, int], dict] = {}
     seconds: dict[tuple[str, int], float] = {}
     pool = mp.get_context("fork").Pool(jobs) if jobs > 1 else None
     with pool or contextlib.nullcontext(), tqdm(total=len(work), unit="run",
-                                                desc=f"bench {trace.name} {scope}",
-                                                disable=not progress) as bar:
+                                                desc=f"bench {trace.name} {scope} {mode}",
+                                                disable=not show_progress(progress)) as bar:
         runs = pool.imap_unordered(_run_job, work) if pool else map(_run_job, work)
-        for policy, capacity, packed, secs in runs:
-            hits_of[(policy, capacity)] = packed
+        for policy, capacity, result, secs in runs:
+            metrics[(policy, capacity)] = result
             seconds[(policy, capacity)] = secs
             bar.update()
     _SHARED.clear()
@@ -142,28 +266,42 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
     results = []
     for fraction in fractions:
         capacity = capacities[fraction]
-        hits = {p: np.unpackbits(hits_of[(p, capacity)], count=n).astype(bool) for p in policies}
-        counts = {p: int(h.sum()) for p, h in hits.items()}
+        counts = {p: metrics[(p, capacity)].get("hits") for p in policies}
         for policy in policies:
-            misses = np.bincount(requests.token_layer[~hits[policy]],
-                                 minlength=requests.n_tokens * requests.n_layers)
-            total_ms = float(token_time_ms(misses, device, shape).sum())
-            ssd_bytes = int((n - counts[policy]) * shape.expert_bytes)
-            gap = None
-            if "lru" in counts and "belady" in counts and counts["belady"] != counts["lru"]:
-                gap = round((counts[policy] - counts["lru"]) / (counts["belady"] - counts["lru"]), 4)
+            m = metrics[(policy, capacity)]
             resident = capacity * (requests.n_layers if scope == "layer" else 1)
-            results.append({
-                "policy": policy, "scope": scope, "capacity": capacity,
-                "capacity_fraction": fraction, "accesses": n, "hits": counts[policy],
-                "hit_rate": round(counts[policy] / n, 6), "ssd_bytes": ssd_bytes,
-                "gap_closed": gap, "ms_per_token": round(total_ms / requests.n_tokens, 3),
-                "ssd_mb_per_s": round(ssd_bytes / (total_ms / 1e3) / 1e6, 1),
-                "cache_bytes": resident * shape.expert_bytes,
-                "replay_s": round(seconds[(policy, capacity)], 2)})
-    return {"trace": trace.name, "scope": scope, "tokens": requests.n_tokens,
-            "sequences": trace.n_sequences, "accesses": n, "assumptions": describe(device, shape),
+            row = {"policy": policy, "scope": scope, "mode": mode, "capacity": capacity,
+                   "capacity_fraction": fraction, "accesses": n, "hits": m.get("hits"),
+                   "hit_rate": None, "ssd_bytes": None, "gap_closed": None,
+                   "ms_per_token": None, "ssd_mb_per_s": None, "cache_bytes": None,
+                   "replay_s": round(seconds[(policy, capacity)], 2)}
+            if "infeasible" in m:
+                row["infeasible"] = m["infeasible"]
+                results.append(row)
+                continue
+            row["hit_rate"] = round(m["hits"] / n, 6)
+            if mode == "core":
+                row["n_hit_loading"] = m["n_hit_loading"]
+            lru, belady = counts.get("lru"), counts.get("belady")
+            if lru is not None and belady is not None and belady != lru:
+                row["gap_closed"] = round((m["hits"] - lru) / (belady - lru), 4)
+            if shape is not None:
+                ssd_bytes = int(m["loads"] * shape.expert_bytes)
+                row.update(ssd_bytes=ssd_bytes,
+                           ms_per_token=round(m["total_ms"] / requests.n_tokens, 3),
+                           ssd_mb_per_s=round(ssd_bytes / (m["total_ms"] / 1e3) / 1e6, 1),
+                           cache_bytes=resident * shape.expert_bytes)
+                if "stall_ms" in m:
+                    row["stall_ms_per_token"] = round(m["stall_ms"] / requests.n_tokens, 3)
+            results.append(row)
+    return {"trace": trace.name, "scope": scope, "mode": mode, "tokens": requests.n_tokens,
+            "sequences": trace.n_sequences, "accesses": n,
+            "assumptions": describe(device, shape) if shape is not None else None,
             "jobs": jobs, "wall_s": round(time.perf_counter() - started, 1), "results": results}
+
+
+def _cell(value, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:{width}{fmt}}"
 
 
 def format_table(report: dict) -> str:
@@ -175,21 +313,34 @@ def format_table(report: dict) -> str:
         if last_fraction is not None and r["capacity_fraction"] != last_fraction:
             rows.append("")
         last_fraction = r["capacity_fraction"]
-        gap = f"{r['gap_closed']:7.3f}" if r["gap_closed"] is not None else f"{'-':>7}"
-        rows.append(f"{r['policy']:<8} {r['capacity']:>5} {r['capacity_fraction']:>7.4f} "
-                    f"{r['hits']:>10} {r['hit_rate']:>8.4f} {r['ssd_bytes'] / 1e9:>9.1f} {gap} "
-                    f"{r['ms_per_token']:>8.2f} {r['ssd_mb_per_s']:>9.1f} "
-                    f"{r['cache_bytes'] / 1e9:>8.2f}")
-    a = report["assumptions"]
+        lead = f"{r['policy']:<8} {r['capacity']:>5} {r['capacity_fraction']:>7.4f}"
+        if "infeasible" in r:
+            rows.append(f"{lead}  n/a: {r['infeasible']}")
+            continue
+        gb = lambda v: None if v is None else v / 1e9  # noqa: E731
+        rows.append(f"{lead} {r['hits']:>10} {r['hit_rate']:>8.4f} "
+                    f"{_cell(gb(r['ssd_bytes']), '.1f', 9)} {_cell(r['gap_closed'], '.3f', 7)} "
+                    f"{_cell(r['ms_per_token'], '.2f', 8)} {_cell(r['ssd_mb_per_s'], '.1f', 9)} "
+                    f"{_cell(gb(r['cache_bytes']), '.2f', 8)}")
     rows.append("")
-    rows.append(f"{report['trace']}, scope {report['scope']}: {report['sequences']} sequences, "
-                f"{report['tokens']} tokens, {report['accesses']} accesses; "
-                f"wall {report['wall_s']} s on {report['jobs']} processes")
-    rows.append(f"device model {a['device']['name']} ({a['device']['description']}): SSD "
-                f"{a['device']['ssd_bytes_per_s'] / 1e9:.2f} GB/s + {a['device']['ssd_latency_ms']}"
-                f" ms per batch of reads, compute {a['compute_ms_per_layer']:.3f} ms/layer; "
-                f"expert {a['model']['expert_bytes'] / 1e6:.2f} MB ({a['model']['name']}); "
-                f"demand fetching, no prefetch")
+    rows.append(f"{report['trace']}, scope {report['scope']}, mode {report['mode']}: "
+                f"{report['sequences']} sequences, {report['tokens']} tokens, "
+                f"{report['accesses']} accesses; wall {report['wall_s']} s on "
+                f"{report['jobs']} processes")
+    a = report["assumptions"]
+    if a is None:
+        rows.append("no model-shape profile for this trace's model: hit rates only (give "
+                    "--expert-bytes N for the time and byte columns)")
+    else:
+        how = ("the cache manager's core on a virtual clock (pins, loading states; one SSD "
+               "channel shared by every read)" if report["mode"] == "core"
+               else "per-request replay of the policy (no pins, no clock)")
+        rows.append(f"device model {a['device']['name']} ({a['device']['description']}): SSD "
+                    f"{a['device']['ssd_bytes_per_s'] / 1e9:.2f} GB/s + "
+                    f"{a['device']['ssd_latency_ms']} ms to the first byte, compute "
+                    f"{a['compute_ms_per_layer']:.3f} ms/layer; expert "
+                    f"{a['model']['expert_bytes'] / 1e6:.2f} MB ({a['model']['name']}); "
+                    f"demand fetching; {how}")
     return "\n".join(rows)
 
 
@@ -201,7 +352,7 @@ def plot(report: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r["policy"] for r in report["results"]):
-        rows = [r for r in report["results"] if r["policy"] == policy]
+        rows = [r for r in report["results"] if r["policy"] == policy and r["hit_rate"] is not None]
         ax.plot([r["capacity_fraction"] for r in rows], [r["hit_rate"] for r in rows],
                 marker="o", label=policy, linestyle="--" if policy == "belady" else "-")
     ax.set_xscale("log", base=2)

@@ -1,0 +1,28 @@
+"""The inference worker's decision core: what it asks the cache manager for, and when.
+
+One AcquireReq per MoE layer as soon as that layer's routing is known, in token-major then
+layer-major order, holding the layer it computes and dropping the one before it in the same
+message (``release_layers``): pins never cover more than two layers of one worker. The trace
+simulator (`flashmoe bench --mode core`) replays the same schedule against the same cache
+core, which is what makes its hit counts those of the live system.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+
+def previous_layer(layer: int, num_layers: int) -> int:
+    """The layer computed just before ``layer`` (the previous token's last one for layer 0)."""
+    return layer - 1 if layer else num_layers - 1
+
+
+def acquire_schedule(experts: np.ndarray) -> Iterator[tuple[int, int, list[int], tuple[int]]]:
+    """(token, layer, experts, release_layers) of every AcquireReq for a routing array of
+    shape (tokens, layers, top_k), rows in the router's order."""
+    num_layers = experts.shape[1]
+    for token, row in enumerate(experts.tolist()):
+        for layer, selected in enumerate(row):
+            yield token, layer, selected, (previous_layer(layer, num_layers),)

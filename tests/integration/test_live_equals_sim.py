@@ -1,0 +1,45 @@
+"""The simulator's core mode is the live system: a trace-driven worker process replays a
+slice of the real gpt-oss-20b trace through a live cache-manager process over real sockets
+(real reads of a real store of that model's shape), and its hit, miss and load counts equal
+`flashmoe bench --mode core` on the same slice, policy and capacity."""
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from common.traces import DEFAULT_TRACES_DIR, Trace, load_gptoss20b
+from flashmoe.device_model import DEVICES
+from flashmoe.launch import child_env, cli_command
+from flashmoe.simulator import replay_core
+from flashmoe.synth_store import synth_store
+
+pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
+                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def gptoss_tiny_store(tmp_path_factory):
+    return synth_store(tmp_path_factory.mktemp("synth") / "store", "gpt-oss-tiny", scale=1.0,
+                       block_size=8192, parallelism=3, show_progress=False).path
+
+
+@pytest.mark.parametrize("policy, capacity", [("lru", 96), ("arc", 48), ("s3fifo", 192),
+                                              ("lirs", 96)])
+def test_live_hits_and_misses_equal_the_simulator(policy, capacity, gptoss_tiny_store,
+                                                  start_manager, tmp_path):
+    manager = start_manager(gptoss_tiny_store, f"cache.policy={policy}",
+                            f"cache.capacity_experts={capacity}")
+    out = tmp_path / "live.json"
+    subprocess.run(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
+                               "gptoss20b:eval", "--tokens", str(TOKENS), "--json", str(out)),
+                   env=child_env(), check=True, timeout=300, capture_output=True)
+    live = json.loads(out.read_text())
+    trace = load_gptoss20b("eval")
+    piece = Trace("slice", trace.experts[:TOKENS], np.array([0, TOKENS]), 32, trace.model)
+    sim = replay_core(policy, capacity, piece, "global", DEVICES["orin-980pro"], 1, 0.0)
+    for key in ("n_hit", "n_miss", "n_load", "n_evict"):
+        assert live[key] == sim.stats[key], (key, live[key], sim.stats[key])
+    assert live["n_hit"] + live["n_miss"] == TOKENS * 24 * 4 and live["n_checksum_error"] == 0
