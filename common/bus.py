@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -254,54 +255,81 @@ class Subscriber:
 # --- control socket ----------------------------------------------------------------------------
 
 class ControlServer:
-    """A service's control socket (ROUTER): health and stats today, tuning later. Served
-    from the service's own poll loop: register ``socket`` and call ``serve`` when readable.
-    Its peers are never workers."""
+    """A service's control socket (ROUTER), served on a thread of its own, apart from the
+    hot path: health and stats today, tuning later. Handlers run under ``lock``, which the
+    service's loop holds while it changes its state, so a snapshot is consistent and the
+    loop never waits on a control client. Its peers are never workers."""
 
     def __init__(self, ctx: zmq.Context, config: FlashMoEConfig, endpoint: str, service: str,
-                 stats: Callable[[], dict], state: Callable[[], str],
+                 stats: Callable[[], dict], state: Callable[[], str], lock: threading.Lock,
                  extra: Mapping[type, Callable[[Message], Message]] | None = None) -> None:
-        self.socket = make_socket(ctx, zmq.ROUTER, config, bind=endpoint)
         self.endpoint = endpoint
         self.service = service
         self.counters: Counter = Counter()
         self.inbox = Inbox(ControlRequest, config.ipc.max_message_bytes, self.counters,
                            f"{service} control")
-        self._stats, self._state = stats, state
+        self._stats, self._state, self._lock = stats, state, lock
         self._extra = dict(extra or {})
         self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(ctx, config),
+                                        name=f"{service}-control", daemon=True)
+        self._thread.start()
+        self._bound.wait()
+        if self._error is not None:
+            raise self._error
 
-    def serve(self) -> None:
+    def _run(self, ctx: zmq.Context, config: FlashMoEConfig) -> None:
+        try:
+            sock = make_socket(ctx, zmq.ROUTER, config, bind=self.endpoint)
+        except BaseException as exc:  # reported to the constructor
+            self._error = exc
+            self._bound.set()
+            return
+        self._bound.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):
+                    self._serve(sock)
+        finally:
+            sock.close()
+
+    def _serve(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             identity = frames[0]
             if len(frames) != 2:
                 self.counters["rejected_malformed"] += 1
-                self._send(identity, Rejected("malformed", f"{len(frames) - 1} frames"))
-                continue
-            message = self.inbox.decode(frames[1])
-            if isinstance(message, ProtocolError):
-                self._send(identity, Rejected(message.code, str(message)[:4000]))
-            elif isinstance(message, HealthReq):
-                self._send(identity, HealthRep(message.seq, self.service, os.getpid(),
-                                               self._state(),
-                                               round(time.monotonic() - self._started, 3)))
-            elif isinstance(message, StatsReq):
-                self._send(identity, StatsRep(message.seq, self._stats()))
-            elif type(message) in self._extra:
-                self._send(identity, self._extra[type(message)](message))
+                reply = Rejected("malformed", f"{len(frames) - 1} frames")
+            else:
+                reply = self._answer(self.inbox.decode(frames[1]))
+            if reply is not None:
+                try:
+                    sock.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("%s control: dropped a reply, the peer's queue is full",
+                                self.service)
 
-    def _send(self, identity: bytes, message: Message) -> None:
-        try:
-            self.socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("%s control: dropped a reply, the peer's queue is full", self.service)
+    def _answer(self, message: Message | ProtocolError) -> Message | None:
+        if isinstance(message, ProtocolError):
+            return Rejected(message.code, str(message)[:4000])
+        if isinstance(message, HealthReq):
+            return HealthRep(message.seq, self.service, os.getpid(), self._state(),
+                             round(time.monotonic() - self._started, 3))
+        with self._lock:
+            if isinstance(message, StatsReq):
+                return StatsRep(message.seq, self._stats())
+            handler = self._extra.get(type(message))
+            return handler(message) if handler is not None else None
 
     def close(self) -> None:
-        self.socket.close()
+        self._stop.set()
+        self._thread.join(5)
 
 
 def control_request(endpoint: str, message: Message, timeout_s: float = 5.0) -> Message:

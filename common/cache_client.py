@@ -88,30 +88,36 @@ class CacheClient:
                 self.broken = (f"no reply from the cache manager at {self.endpoint} within "
                                f"{timeout_s:g} s (raise {setting} if it is just slow)")
                 raise CacheManagerUnavailable(self.broken)
-            try:
-                message = self.decoder.decode(sock.recv())
-            except ProtocolError as exc:
-                self.broken = f"cache manager sent a bad message: {exc}"
-                raise CacheManagerUnavailable(self.broken) from None
-            if type(message) is expected and getattr(message, "seq", seq) == seq:
-                return message  # the common case, first
-            if isinstance(message, Dead):
-                self.broken = f"cache manager is dead: {message.reason}"
-                raise CacheManagerUnavailable(self.broken)
-            if isinstance(message, Rejected):
-                if message.code == "config_mismatch":
-                    mismatch = ConfigMismatch(message.message.split(","),
-                                              f"the cache manager at {self.endpoint}")
-                    self.broken = str(mismatch)
-                    raise mismatch
-                raise ProtocolError(message.code, message.message)
-            if seq is not None and getattr(message, "seq", seq) != seq:
-                continue  # a late answer to a request that already timed out
-            if isinstance(message, AcquireError) and expected is AcquireRep:
-                raise ExpertLoadError(message.code, message.message, message.layer,
-                                      list(message.experts))
-            if isinstance(message, expected):
+            message = self._accept(expected, seq)
+            if message is not None:
                 return message
+
+    def _accept(self, expected: type, seq: int | None) -> Message | None:
+        """Receive one message: the awaited reply, None for one to skip (a late answer to a
+        request that timed out), or a typed error."""
+        try:
+            message = self.decoder.decode(self.send_to_cache.recv())
+        except ProtocolError as exc:
+            self.broken = f"cache manager sent a bad message: {exc}"
+            raise CacheManagerUnavailable(self.broken) from None
+        if type(message) is expected and getattr(message, "seq", seq) == seq:
+            return message  # the common case, first
+        if isinstance(message, Dead):
+            self.broken = f"cache manager is dead: {message.reason}"
+            raise CacheManagerUnavailable(self.broken)
+        if isinstance(message, Rejected):
+            if message.code == "config_mismatch":
+                mismatch = ConfigMismatch(message.message.split(","),
+                                          f"the cache manager at {self.endpoint}")
+                self.broken = str(mismatch)
+                raise mismatch
+            raise ProtocolError(message.code, message.message)
+        if seq is not None and getattr(message, "seq", seq) != seq:
+            return None
+        if isinstance(message, AcquireError) and expected is AcquireRep:
+            raise ExpertLoadError(message.code, message.message, message.layer,
+                                  list(message.experts))
+        return message if isinstance(message, expected) else None
 
     def _check_peer_events(self) -> None:
         while self.peer_events.poll(0):
@@ -125,7 +131,12 @@ class CacheClient:
     def _request(self, message: Message, expected: type, seq: int) -> Message:
         if self.broken:
             raise CacheManagerUnavailable(self.broken)
-        self.send_to_cache.send(encode(message))
+        sock = self.send_to_cache
+        sock.send(encode(message))
+        if sock.poll(PEER_CHECK_MS):  # the usual case: the answer within the first slice
+            reply = self._accept(expected, seq)
+            if reply is not None:
+                return reply
         return self._wait(expected, seq, self.config.ipc.acquire_timeout_s,
                           "ipc.acquire_timeout_s")
 
@@ -136,9 +147,9 @@ class CacheClient:
     def acquire(self, layer: int, experts: list[int], release_layers=()) -> list[int]:
         """Slots holding the layer's experts, pinned until this layer is released (or
         acquired again); ``release_layers`` are dropped first, in the same message."""
-        seq = self._next_seq()
-        return list(self._request(AcquireReq(seq, layer, list(experts), list(release_layers)),
-                                  AcquireRep, seq).slots)
+        self.seq = seq = self.seq + 1
+        return self._request(AcquireReq(seq, layer, experts, release_layers), AcquireRep,
+                             seq).slots
 
     def acquire_tensors(self, layer: int, experts: list[int], release_layers=()) -> list[dict]:
         """Zero-copy torch views of each expert's projections, in request order."""

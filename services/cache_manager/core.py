@@ -198,15 +198,17 @@ class CacheManagerCore:
         keys = pins.pop((worker, layer), None)
         if keys:
             self._let_go(keys)
+        slot_of, loading, hold = self.slot_of, self.loading, self.hold
         keys = [(layer, expert) for expert in experts]
-        known = self.expert_bytes
-        for key in keys:
-            if key not in known:
-                unknown = [k[1] for k in keys if k not in known]
+        absent = [key for key in keys if key not in slot_of]
+        if absent:
+            known = self.expert_bytes
+            unknown = [key[1] for key in absent if key not in known]
+            if unknown:
                 raise AcquireFailed("unknown_expert",
                                     f"layer {layer} has no expert(s) {unknown}", unknown)
-        slot_of, loading, hold = self.slot_of, self.loading, self.hold
         policy = self.policies[None if self.scope == "global" else layer]
+        prefetched_unused = self.prefetched_unused
         slots: list[int] = []
         new_loads: list[Load] = []
         pending: list[Load] = []
@@ -238,7 +240,7 @@ class CacheManagerCore:
                     load = loading.get(key)
                     if load is None:
                         n_hit += 1
-                        if key in self.prefetched_unused:
+                        if prefetched_unused and key in prefetched_unused:
                             self._prefetch_used(key)
                     else:
                         n_miss += 1
@@ -258,9 +260,10 @@ class CacheManagerCore:
         finally:
             stats = self.stats
             stats["n_hit"] += n_hit
-            stats["n_miss"] += n_miss
-            stats["n_hit_loading"] += n_loading
-            stats["n_load"] += len(new_loads)
+            if n_miss:
+                stats["n_miss"] += n_miss
+                stats["n_hit_loading"] += n_loading
+                stats["n_load"] += len(new_loads)
         pins[(worker, layer)] = pinned
         if not pending:
             return slots, new_loads, None

@@ -1,11 +1,12 @@
 """The cache manager process: owns the arena and the IO engine, serves workers over ZeroMQ.
 
-One thread runs one poll loop over: the workers' ROUTER (``recv_from_workers``), the monitor
-that reports which worker went away, the control socket, the IO engine's completion fd and
-the checksum verifier's fd. Nothing in the loop waits on the disk: a miss submits its reads
-and parks the request (the decision core keeps it), other workers' hits are answered
-meanwhile, and each completed expert is checksum-verified on a helper thread (zlib releases
-the GIL) before its waiters are answered.
+One thread runs the loop over the workers' ROUTER (``recv_from_workers``), the IO engine's
+completion fd and the checksum verifier's fd. Nothing in the loop waits on the disk: a miss
+submits its reads and parks the request (the decision core keeps it), other workers' hits are
+answered meanwhile, and each completed expert is checksum-verified (large ones on a helper
+thread: zlib releases the GIL) before its waiters are answered. Workers that went away
+(closed connection, missed heartbeats) are found by a connection monitor on the loop's tick.
+The control socket (health, stats) is served on a thread of its own under ``self.lock``.
 
 SIGTERM/SIGINT only flip ``self.state``; the loop does the work. When the loop ends, every
 known worker is sent ``Dead``. A failed IO engine (an error it cannot recover from, or a read
@@ -21,6 +22,7 @@ import logging
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -76,6 +78,7 @@ class Verifier:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.pending = 0  # submitted, results not yet taken
 
     def fileno(self) -> int:
         return self._fd
@@ -88,6 +91,7 @@ class Verifier:
         return None
 
     def submit(self, load: Load) -> None:
+        self.pending += 1
         self._pool.submit(self._verify, load)
 
     def _verify(self, load: Load) -> None:
@@ -104,6 +108,7 @@ class Verifier:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
+                self.pending -= len(out)
                 return out
 
     def close(self) -> None:
@@ -149,8 +154,10 @@ class CacheManager:
         self.ctx = zmq.Context()
         self.recv_from_workers = make_socket(self.ctx, zmq.ROUTER, config, bind=endpoint)
         self.peers = PeerWatch(self.recv_from_workers)
+        self.lock = threading.Lock()
         self.control = ControlServer(self.ctx, config, control_endpoint, "cache_manager",
-                                     stats=self.stats, state=lambda: self.state.value)
+                                     stats=self.stats, state=lambda: self.state.value,
+                                     lock=self.lock)
         self.endpoint = endpoint
         self.workers: dict[bytes, str] = {}
         self.reads: dict[int, Load] = {}  # engine batch id -> the load it carries
@@ -168,35 +175,48 @@ class CacheManager:
             self.state = State.STOP_REQUESTED
 
     def run(self) -> None:
+        """Serve until stopped. With no read in flight the loop waits on the workers' socket
+        alone (a blocking receive bounded by the tick, what a plain server does); with reads
+        in flight it polls that socket with the engine's and the verifier's fds. The control
+        socket has its own thread; ``self.lock`` is held while anything changes."""
+        sock = self.recv_from_workers
+        sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         poller = zmq.Poller()
-        poller.register(self.recv_from_workers, zmq.POLLIN)
-        poller.register(self.control.socket, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
         poller.register(self.engine.fileno(), zmq.POLLIN)
-        poller.register(self.verifier.fileno(), zmq.POLLIN)
+        verifier_fd = self.verifier.fileno()
+        poller.register(verifier_fd, zmq.POLLIN)
         read_timeout_s = self.config.io.read_timeout_s
         next_tick = time.monotonic()
         try:
             while self.state is State.RUNNING:
-                events = dict(poller.poll(POLL_MS))
-                try:
-                    if self.recv_from_workers in events:
-                        self.serve_one_worker_message()
-                    # Reads in flight are reaped on every turn of the loop, not only when the
-                    # completion fd fires (a held-back completion signals nothing).
-                    if self.reads:
-                        self.reap()
-                        self.engine.check_timeout(read_timeout_s)
-                        self.issue_prefetches()  # reads completed: depth may be free
-                    if self.verifier.fileno() in events:
-                        for load, error in self.verifier.results():
-                            self.verified(load, error)
-                except IOEngineError as exc:
-                    self.engine_failed(exc)
-                if self.control.socket in events:
-                    self.control.serve()
-                if not events or time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + POLL_MS / 1000
-                    self.check_peers()
+                if self.reads or self.verifier.pending:
+                    events = dict(poller.poll(POLL_MS))
+                    identity = sock.recv(zmq.NOBLOCK) if sock in events else None
+                else:
+                    events = {}
+                    try:
+                        identity = sock.recv()
+                    except zmq.Again:
+                        identity = None
+                with self.lock:
+                    try:
+                        if identity is not None:
+                            self.serve_worker_message(identity)
+                        # Reads in flight are reaped on every turn of the loop, not only when
+                        # the completion fd fires (a held-back completion signals nothing).
+                        if self.reads:
+                            self.reap()
+                            self.engine.check_timeout(read_timeout_s)
+                            self.issue_prefetches()  # reads completed: depth may be free
+                        if events and verifier_fd in events:
+                            for load, error in self.verifier.results():
+                                self.verified(load, error)
+                    except IOEngineError as exc:
+                        self.engine_failed(exc)
+                    if identity is None or time.monotonic() >= next_tick:
+                        next_tick = time.monotonic() + POLL_MS / 1000
+                        self.check_peers()
             self.broadcast_dead("cache manager shut down")
         except EngineFailed as exc:
             self.broadcast_dead(f"cache manager failed: {exc}")
@@ -213,16 +233,15 @@ class CacheManager:
         for identity in self.peers.disconnected():
             self.worker_gone(identity)
 
-    def serve_one_worker_message(self) -> None:
-        """One message per turn of the loop: a poll that finds more returns at once, and no
-        turn pays for an empty non-blocking receive."""
+    def serve_worker_message(self, identity: bytes) -> None:
+        """One message per turn of the loop (its identity frame already received): a poll
+        that finds more returns at once, and no turn pays for an empty receive."""
         sock = self.recv_from_workers
-        identity = sock.recv(zmq.NOBLOCK)
         # The body as a frame: a Hello's frame names the connection (PeerWatch).
         body = sock.recv(copy=False)
-        extra = 0
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv()
+        extra, more = 0, body.more
+        while more:
+            more = sock.recv(copy=False).more
             extra += 1
         self.dispatch(identity, body, extra)
 
@@ -257,9 +276,9 @@ class CacheManager:
             self.send(identity, Dead(reason[:4000]))
 
     def close(self) -> None:
+        self.control.close()
         self.peers.close()
         self.recv_from_workers.close()
-        self.control.close()
         self.ctx.term()
         self.engine.close()  # drains reads still in flight before the arena goes
         self.verifier.close()
@@ -382,7 +401,8 @@ class CacheManager:
             return
         if waiter is None:
             self.send(identity, AcquireRep(msg.seq, msg.layer, slots))
-        self.start_loads(loads)
+        if loads:
+            self.start_loads(loads)
 
     def handle_prefetch(self, identity: bytes, msg: PrefetchHint) -> None:
         self.counters["n_prefetch_hint"] += 1

@@ -13,8 +13,8 @@ from common.bus import (ControlServer, Inbox, PeerWatch, Publisher, SeqGaps, Ser
                         Subscriber, control_endpoint_for, control_request, handshake_mismatch,
                         health, ipc_endpoint, make_runtime_dir, make_socket, stats)
 from common.config import load_config
-from common.protocol import (SCHEMA_VERSION, HealthReq, ProtocolError, Rejected, StatsReq,
-                             WorkerToCache, encode)
+from common.protocol import (SCHEMA_VERSION, ControlReply, Decoder, HealthReq, ProtocolError,
+                             Rejected, StatsReq, WorkerToCache, encode)
 
 CONFIG = load_config(env={})
 
@@ -70,38 +70,38 @@ def test_handshake_compares_only_shared_sections_and_only_with_digests():
 def test_control_server_answers_health_stats_and_rejects_garbage(tmp_path):
     ctx = zmq.Context()
     endpoint = ipc_endpoint(tmp_path, "svc.control")
+    lock = threading.Lock()
     server = ControlServer(ctx, CONFIG, endpoint, "svc", stats=lambda: {"n": 7},
-                           state=lambda: "running")
-    stop = threading.Event()
-
-    def loop():
-        while not stop.is_set():
-            if server.socket.poll(50):
-                server.serve()
-
-    thread = threading.Thread(target=loop)
-    thread.start()
+                           state=lambda: "running", lock=lock)
     try:
         rep = health(endpoint)
         assert rep.service == "svc" and rep.pid == os.getpid() and rep.state == "running"
         assert stats(endpoint) == {"n": 7}
         assert isinstance(control_request(endpoint, HealthReq(9)), type(rep))
+        with lock:  # the service's loop holds the lock: stats wait, health does not
+            assert health(endpoint).state == "running"
+            with pytest.raises(ServiceUnavailable):
+                stats(endpoint, timeout_s=0.3)
         raw = ctx.socket(zmq.DEALER)
         raw.connect(endpoint)
         raw.send(b"garbage")
         assert raw.poll(5000)
-        from common.protocol import ControlReply, Decoder
-
         assert isinstance(Decoder(ControlReply).decode(raw.recv()), Rejected)
         raw.close(0)
         assert server.counters["rejected_malformed"] == 1
     finally:
-        stop.set()
-        thread.join()
         server.close()
         ctx.term()
     with pytest.raises(ServiceUnavailable, match="within"):
         health(endpoint, timeout_s=0.2)
+
+
+def test_control_server_reports_a_bind_failure(tmp_path):
+    ctx = zmq.Context()
+    with pytest.raises(zmq.ZMQError):
+        ControlServer(ctx, CONFIG, "tcp://256.0.0.1:1", "svc", stats=dict,
+                      state=lambda: "running", lock=threading.Lock())
+    ctx.term()
 
 
 def test_peer_watch_names_the_peer_that_went_away(tmp_path):
