@@ -58,6 +58,26 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_synth_store(args) -> int:
+    from flashmoe.synth_store import synth_store
+
+    overrides = list(args.set)
+    if args.block_size:
+        overrides.append(f"store.block_size={args.block_size}")
+    if args.parallelism:
+        overrides.append(f"store.parallelism={args.parallelism}")
+    config = load_config(profile=args.profile, file=args.config, overrides=overrides)
+    from flashmoe.synth_store import DEFAULT_SCALE
+
+    scale = DEFAULT_SCALE if args.scale is None else args.scale
+    store = synth_store(args.store, args.shape, scale, config.store.block_size,
+                        config.store.parallelism, seed=args.seed, show_progress=not args.quiet)
+    total = sum(e.nbytes for e in store.manifest.experts)
+    print(f"{args.store}: {args.shape} at scale {scale}, {len(store.keys())} experts of "
+          f"{store.manifest.max_expert_bytes / 1e6:.2f} MB, {total / 1e9:.2f} GB in all")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from tqdm import tqdm
 
@@ -202,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_flags(p)
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("synth-store", help="a store of random bf16 experts in a real model's "
+                                           "shape (for trace-driven runs)")
+    p.add_argument("store")
+    p.add_argument("--shape", default="gpt-oss-20b", help="gpt-oss-20b, or gpt-oss-tiny (tests)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="multiplies each expert's intermediate size (default 0.21: ~8 GB for "
+                        "gpt-oss-20b)")
+    p.add_argument("--block-size", help="bytes per block (default: store.block_size)")
+    p.add_argument("--parallelism", type=int, help="stripe files (default: store.parallelism)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_synth_store)
 
     p = sub.add_parser("verify", help="check every block's checksum; non-zero on the first bad")
     p.add_argument("store")

@@ -155,10 +155,19 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                 finish(heapq.heappop(heap)[2], True)
             before = stats["n_hit"]
             _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release)
-            for load in loads:
-                heapq.heappush(heap, (ssd.read(now, load.nbytes), next(tie), load.key))
-            if waiter is not None:
-                while waiter.missing:
+            if loads and not heap:
+                # Nothing else in flight: this request's reads complete in issue order, and
+                # it waits for the last one.
+                done_at = now
+                for load in loads:
+                    done_at = ssd.read(now, load.nbytes)
+                    finish(load.key, True)
+                stall += done_at - now
+                now = done_at
+            else:
+                for load in loads:
+                    heapq.heappush(heap, (ssd.read(now, load.nbytes), next(tie), load.key))
+                while waiter is not None and waiter.missing:
                     done_at, _, key = heapq.heappop(heap)
                     finish(key, True)
                     if done_at > now:

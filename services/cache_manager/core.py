@@ -163,8 +163,9 @@ class CacheManagerCore:
     def _make_room(self, policy: EvictionPolicy) -> int | None:
         """A free slot, evicting the policy's victim if needed; None if every resident
         expert of this budget is pinned or loading."""
-        if self.free_slots and len(policy) < policy.capacity:
-            return self.free_slots.pop()
+        free_slots = self.free_slots
+        if free_slots and len(policy) < policy.capacity:
+            return free_slots.pop()
         victim = policy.victim(self.hold)
         if victim is None:
             return None
@@ -232,9 +233,15 @@ class CacheManagerCore:
                     # In the policy from now on (loading, so never a victim) so that a
                     # policy's per-miss state is consumed before the next miss.
                     policy.on_insert(key)
-                    load = self._start_load(key, slot, prefetch=False)
+                    load = Load(key, slot, self.expert_bytes[key], False)
+                    loading[key] = load
+                    slot_of[key] = slot
+                    hold[key] = hold.get(key, 0) + 2  # loading, and pinned below
                     new_loads.append(load)
                     pending.append(load)
+                    pinned.append(key)
+                    slots.append(slot)
+                    continue
                 else:
                     policy.on_hit(key)
                     load = loading.get(key)
@@ -335,7 +342,12 @@ class CacheManagerCore:
         set: answer with it; their layer's pins are already dropped). Cancelled waiters are
         not returned."""
         load = self.loading.pop(key)
-        self._let_go((key,))
+        hold = self.hold
+        left = hold[key] - 1
+        if left:
+            hold[key] = left
+        else:
+            del hold[key]
         if load.prefetch:
             self.prefetch_inflight -= 1
         done: list[Waiter] = []

@@ -173,3 +173,17 @@ def test_arc_adapts_p_on_ghost_hits():
     # Ghost hit in B1: p += max(|B2|/|B1|, 1) = 1; REPLACE: |T1| = p, x not in B2 -> T2's LRU
     assert arc.request(2) is False
     assert arc.p == 1 and list(arc.t2) == [2] and list(arc.b2) == [1] and list(arc.t1) == [3]
+
+
+def test_car_falls_back_to_the_other_clock_when_pins_block_its_choice():
+    from services.cache_manager.policies.car import CARPolicy
+
+    car = CARPolicy(4)
+    for key in "abcd":
+        car.on_miss(key)
+        car.on_insert(key)
+    car.t2["e"] = False  # state as found in a replay: T1 below p, T2 entirely pinned
+    del car.t1["d"]
+    car.p = 4.0
+    assert car.victim(pinned={"e"}) == "a"
+    assert car.victim(pinned={"a", "b", "c", "e"}) is None

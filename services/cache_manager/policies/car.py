@@ -24,6 +24,8 @@ an adaptive target p for |T1| (c = capacity). This follows the paper, not libCac
           else: ref = 0; move head of T2 to tail of T2
 
 p is a real number, as in the paper. Note that the adaptation of p comes *after* replace().
+Pinned pages are never chosen; where pins leave the clock that replace() sweeps without a
+candidate, the victim is the first unpinned page of either clock (unreferenced first).
 """
 
 from __future__ import annotations
@@ -80,7 +82,11 @@ class CARPolicy(EvictionPolicy):
                     return key
                 self.t2.move_to_end(key)
                 self.t2[key] = False
-        return None
+        # Pins can block the paper's choice (e.g. T1 below p and every page of T2 pinned):
+        # then the first unpinned page of either clock, unreferenced ones first.
+        candidates = [key for clock in (self.t1, self.t2) for key in clock if key not in pinned]
+        unreferenced = [key for key in candidates if not (self.t1.get(key) or self.t2.get(key))]
+        return (unreferenced or candidates or [None])[0]
 
     def on_evict(self, key: Key) -> None:
         if key in self.t1:
