@@ -38,7 +38,8 @@ from tqdm import tqdm
 from common.traces import Trace, TraceError
 from flashmoe.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
 from services.cache_manager.core import AcquireFailed, CacheManagerCore
-from services.cache_manager.policies import POLICIES, PolicyError, make_policy, needs_future
+from services.cache_manager.policies import (POLICIES, PolicyError, make_policy, needs_core,
+                                             needs_future)
 from services.cache_manager.policies.belady import NEVER
 from services.inference_worker.core import acquire_schedule
 
@@ -249,6 +250,10 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
         raise PolicyError(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    layer_aware = [p for p in policies if needs_core(p)]
+    if mode == "requests" and layer_aware:
+        raise PolicyError(f"{', '.join(layer_aware)}: follows the layer order through the cache "
+                          f"manager's core; run them with --mode core")
     capacities = {f: capacity_for(f, trace, scope) for f in fractions}  # fail before any work
     started = time.perf_counter()
     _SHARED.update(mode=mode, trace=trace, scope=scope, shape=shape, device=device)

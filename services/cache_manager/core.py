@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping
 
-from .policies import EvictionPolicy, PolicyError, make_policy, needs_future
+from .policies import EvictionPolicy, PolicyError, make_policy, needs_core, needs_future
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 Worker = Hashable  # a worker's identity (the ROUTER identity bytes in the live process)
@@ -101,6 +101,10 @@ class CacheManagerCore:
                 raise ValueError(f"{n_slots} slots cannot give each of {len(layers)} layers one")
             self.policies = {layer: make_policy(policy, per_layer, policy_params)
                              for layer in layers}
+        num_experts = max(expert for _, expert in expert_bytes) + 1
+        for p in self.policies.values():
+            p.configure(layers, num_experts)
+        self._layer_aware = needs_core(policy)
         self.slot_of: dict[ExpertKey, int] = {}  # LOADING and RESIDENT experts
         self.loading: dict[ExpertKey, Load] = {}
         self.free_slots = list(range(n_slots - 1, -1, -1))
@@ -209,6 +213,8 @@ class CacheManagerCore:
                 raise AcquireFailed("unknown_expert",
                                     f"layer {layer} has no expert(s) {unknown}", unknown)
         policy = self.policies[None if self.scope == "global" else layer]
+        if self._layer_aware:
+            policy.on_request(layer)
         prefetched_unused = self.prefetched_unused
         slots: list[int] = []
         new_loads: list[Load] = []

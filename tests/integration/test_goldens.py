@@ -19,3 +19,5 @@ def test_goldens_on_warp_olmoe():
     for scope in ("global", "layer"):
         for capacity, by_policy in hits[scope].items():
             assert max(by_policy.values()) == by_policy["belady"], (scope, capacity)
+            for name, core in committed["core_hits"][scope][capacity].items():
+                assert core is None or core <= by_policy["belady"], (name, scope, capacity)

@@ -184,10 +184,12 @@ def test_oracle_policies_only_in_the_simulator():
 def test_registry_builds_every_policy_and_rejects_unknown():
     for name in POLICIES:
         policy = make_policy(name, 4)
+        policy.configure([0], 4)
         if needs_future(name):
             policy.set_next_use(7)
-        policy.on_insert("a")
-        assert "a" in policy and policy.victim() == "a"
+        policy.on_request(0)
+        policy.on_insert((0, 1))
+        assert (0, 1) in policy and policy.victim() == (0, 1)
     with pytest.raises(PolicyError, match="unknown policy"):
         make_policy("nope", 4)
     with pytest.raises(PolicyError, match="unknown parameter"):

@@ -5,7 +5,12 @@ import random
 import pytest
 
 from services.cache_manager.core import CacheManagerCore
-from services.cache_manager.policies import POLICIES, PolicyError, make_policy, needs_future
+from services.cache_manager.policies import (POLICIES, PolicyError, make_policy, needs_core,
+                                             needs_future)
+
+# Policies the plain per-request protocol can drive (the layer-aware ones need the core's
+# layer order: tests/unit/test_scored_policies.py).
+REQUEST_POLICIES = sorted(name for name in POLICIES if not needs_core(name))
 from services.cache_manager.policies.base import EvictionPolicy
 from services.cache_manager.policies.belady import NEVER
 
@@ -51,14 +56,14 @@ def _resident(policy, trace):
     return {k for k in set(trace) if k in policy}
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", REQUEST_POLICIES)
 def test_every_policy_builds_and_respects_capacity(name):
     for capacity in (1, 2, 7, 32):
         hits = run(make_policy(name, capacity), skewed_trace(1500))
         assert 0 < sum(hits) < len(hits)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", REQUEST_POLICIES)
 def test_fused_request_matches_the_step_by_step_protocol(name):
     trace = skewed_trace(5000, keys=60, seed=3)
     for capacity in (3, 16):
@@ -66,13 +71,13 @@ def test_fused_request_matches_the_step_by_step_protocol(name):
             run(make_policy(name, capacity), trace, via_protocol=True)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", REQUEST_POLICIES)
 def test_pinned_keys_are_never_victims(name):
     rng = random.Random(5)
     run(make_policy(name, 8), skewed_trace(3000, keys=30, seed=9), pinned_every=3, rng=rng)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", REQUEST_POLICIES)
 @pytest.mark.parametrize("via_protocol", [False, True])
 def test_request_with_every_resident_key_pinned_is_a_policy_error(name, via_protocol):
     policy = make_policy(name, 2)
@@ -94,7 +99,7 @@ def test_belady_is_an_upper_bound_on_these_traces():
         trace = skewed_trace(3000, keys=50, seed=seed)
         for capacity in (4, 12):
             best = sum(run(make_policy("belady", capacity), trace))
-            for name in POLICIES:
+            for name in REQUEST_POLICIES:
                 assert sum(run(make_policy(name, capacity), trace)) <= best, name
 
 
@@ -103,7 +108,7 @@ def test_belady_without_future_is_refused():
     with pytest.raises(PolicyError, match="set_next_use"):
         policy.request(1)
     with pytest.raises(PolicyError, match="needs future knowledge"):
-        CacheManagerCore({(0, 0)}, n_slots=2, policy="belady")
+        CacheManagerCore({(0, 0): 1}, n_slots=2, policy="belady")
 
 
 def test_parameters_are_typed_checked_and_unknown_keys_rejected():

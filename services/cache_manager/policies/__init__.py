@@ -11,13 +11,16 @@ from .car import CARPolicy
 from .fifo import FIFOPolicy
 from .lfu import LFUPolicy
 from .lirs import LIRSPolicy
+from .leaststale import LeastStalePolicy
 from .lru import LRUPolicy
+from .nextuse import NextUsePolicy
 from .s3fifo import S3FIFOPolicy
 from .sieve import SIEVEPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, ARCPolicy, LIRSPolicy, CARPolicy,
-                              S3FIFOPolicy, SIEVEPolicy, BeladyPolicy)
+                              S3FIFOPolicy, SIEVEPolicy, BeladyPolicy, LeastStalePolicy,
+                              NextUsePolicy)
 }
 
 
@@ -34,4 +37,11 @@ def needs_future(name: str) -> bool:
     return bool(getattr(POLICIES.get(name), "needs_future", False))
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "PolicyError", "make_policy", "needs_future"]
+def needs_core(name: str) -> bool:
+    """True for policies that follow the layer order through the cache manager's core, which
+    the plain per-request replay cannot drive."""
+    return bool(getattr(POLICIES.get(name), "needs_core", False))
+
+
+__all__ = ["POLICIES", "EvictionPolicy", "PolicyError", "make_policy", "needs_core",
+           "needs_future"]

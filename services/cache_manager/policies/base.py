@@ -37,12 +37,20 @@ class NoParams:
 class EvictionPolicy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
+    needs_core: ClassVar[bool] = False  # follows the layer order (on_request, configure)
 
     def __init__(self, capacity: int, params: Any = None) -> None:
         if capacity < 1:
             raise PolicyError(f"{self.name}: capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         self.params = params if params is not None else self.Params()
+
+    def configure(self, layers: list[int], num_experts: int) -> None:
+        """The key space, (layer, expert) pairs; the cache manager's core tells every policy."""
+
+    def on_request(self, layer: int) -> None:
+        """A request for one layer's experts begins (the core calls it for ``needs_core``
+        policies, before the request's keys)."""
 
     @abstractmethod
     def __contains__(self, key: Key) -> bool:

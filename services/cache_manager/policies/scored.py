@@ -1,0 +1,143 @@
+"""Eviction by a per-expert score that knows the model's layer order (the base of the
+layer-aware policies: ``leaststale``, ``nextuse``, ``flashmoe``).
+
+A decode step visits the MoE layers in order, so an expert of layer l_c is next needed no
+sooner than ``d = (l_c - l - 1) mod L`` layer steps after the layer l being served now (0 for
+the next layer, L-1 for the current one). A policy of this family evicts the resident expert
+with the largest
+
+    d(l_c, l) + S[var][c]          (ties: the least recently used)
+
+where S is the policy's own estimate, in layer steps, of how much later than that visit the
+expert is needed, refreshed once per token (``refresh``). Three variants of S let one refresh
+serve the whole token: var 0 for an expert whose layer this token has not reached yet, var 1
+for one whose layer was visited and that was not used, var 2 for one used in this token.
+
+These policies follow the layer order through the cache manager's core (``on_request`` at the
+start of every acquire, ``configure`` with the key space); the per-request replay, which has
+neither, cannot run them (``needs_core``).
+"""
+
+from __future__ import annotations
+
+from typing import Container
+
+import numpy as np
+
+from .base import NOTHING_PINNED, EvictionPolicy, Key, PolicyError
+
+VARIANTS = 3
+TIE_SCALE = float(1 << 32)  # score units in the composite key; the rest orders by recency
+
+
+class ScoredPolicy(EvictionPolicy):
+    needs_core = True
+
+    def __init__(self, capacity: int, params=None) -> None:
+        super().__init__(capacity, params)
+        self.num_layers = 0
+        self.num_experts = 0
+        self._len = 0
+
+    # --- key space and position ------------------------------------------------------------
+
+    def configure(self, layers: list[int], num_experts: int) -> None:
+        """The key space: (layer, expert) with layer in ``layers`` and expert < num_experts."""
+        self.layers = sorted(layers)
+        self.num_layers = max(self.layers) + 1
+        self.num_experts = num_experts
+        n = self.num_layers * num_experts
+        self.resident = np.zeros(n, dtype=bool)
+        self.last_use = np.zeros(n, dtype=np.float64)  # request clock of the last access
+        self.used_token = np.full(n, -1, dtype=np.int64)  # token of the last access
+        self.layer_of = np.arange(n) // num_experts
+        self.S = np.zeros((VARIANTS, n), dtype=np.float64)
+        # Per current layer l: every key's d(layer_c, l), and whether its layer was visited.
+        layers_now = np.arange(self.num_layers)[:, None]
+        self._d = ((self.layer_of[None, :] - layers_now - 1) % self.num_layers).astype(np.float64)
+        self._visited = self.layer_of[None, :] <= layers_now
+        self.token = -1
+        self.layer = -1
+        self.clock = 0.0
+        self._ranked: list[int] | None = None  # eviction order, best first, for this request
+
+    def _index(self, key: Key) -> int:
+        layer, expert = key
+        return layer * self.num_experts + expert
+
+    def on_request(self, layer: int) -> None:
+        """A request for ``layer`` begins; a layer at or before the last one starts a token."""
+        if not self.num_experts:
+            raise PolicyError(f"{self.name}: needs the cache manager's core (the layer order "
+                              f"and the key space); the per-request replay cannot run it")
+        if layer <= self.layer or self.token < 0:
+            self.token += 1
+            self.refresh()
+        self.layer = layer
+        self._ranked = None
+
+    def refresh(self) -> None:
+        """A new token began: update ``self.S`` (the policy's estimate)."""
+
+    # --- the policy protocol ------------------------------------------------------------------
+
+    def __contains__(self, key: Key) -> bool:
+        return bool(self.resident[self._index(key)])
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _touch(self, i: int) -> None:
+        self.clock += 1.0
+        self.last_use[i] = self.clock
+        self.used_token[i] = self.token
+
+    def on_hit(self, key: Key) -> None:
+        self._touch(self._index(key))
+
+    def on_insert(self, key: Key) -> None:
+        i = self._index(key)
+        self.resident[i] = True
+        self._len += 1
+        self._touch(i)
+
+    def on_evict(self, key: Key) -> None:
+        self.resident[self._index(key)] = False
+        self._len -= 1
+
+    def scores(self) -> np.ndarray:
+        """Every key's eviction score right now (larger = evicted sooner)."""
+        S = self.S
+        used = self.used_token == self.token
+        estimate = np.where(self._visited[self.layer], np.where(used, S[2], S[1]), S[0])
+        return self._d[self.layer] + estimate
+
+    def _rank(self, count: int) -> list[int]:
+        """The ``count`` best victims among the residents, best first."""
+        idx = np.flatnonzero(self.resident)
+        count = min(count, len(idx))
+        if count <= 0:
+            return []
+        S, layer = self.S, self.layer
+        used = self.used_token[idx] == self.token
+        estimate = np.where(self._visited[layer][idx], np.where(used, S[2][idx], S[1][idx]),
+                            S[0][idx])
+        composite = (self._d[layer][idx] + estimate) * TIE_SCALE - self.last_use[idx]
+        top = np.argpartition(composite, len(idx) - count)[len(idx) - count:]
+        return idx[top[np.argsort(-composite[top], kind="stable")]].tolist()
+
+    def victim(self, pinned: Container[Key] = NOTHING_PINNED) -> Key | None:
+        """The best unpinned resident by score. The order is computed once per request: the
+        scores of unpinned residents do not change within it (what it touches it pins)."""
+        E = self.num_experts
+        for count in (len(pinned) + 8 if hasattr(pinned, "__len__") else 8, self._len):
+            if self._ranked is None:
+                self._ranked = self._rank(count)
+            ranked = self._ranked
+            while ranked:
+                i = ranked.pop(0)
+                key = (i // E, i % E)
+                if self.resident[i] and key not in pinned:
+                    return key
+            self._ranked = None
+        return None

@@ -1,0 +1,85 @@
+"""The layer-aware policies (leaststale, nextuse) through the cache manager's core: their
+score, its variants, ties, pins, and the refusal of the per-request replay."""
+
+import numpy as np
+import pytest
+
+from services.cache_manager.core import CacheManagerCore
+from services.cache_manager.policies import PolicyError, make_policy, needs_core
+
+L, E = 3, 4
+KNOWN = {(layer, expert): 1 for layer in range(L) for expert in range(E)}
+W = b"w"
+
+
+def run_tokens(core, tokens):
+    """Each token: one acquire per layer (the worker's schedule), loads completed at once."""
+    for row in tokens:
+        for layer, experts in enumerate(row):
+            _, loads, _ = core.acquire(W, layer, experts, release_layers=[(layer - 1) % L])
+            for load in loads:
+                core.finish_load(load.key, ok=True)
+
+
+def test_leaststale_evicts_the_layer_visited_last_least_recently_used_first():
+    core = CacheManagerCore(KNOWN, n_slots=5, policy="leaststale")
+    run_tokens(core, [[[0], [0], [0]]])  # residents (0,0) (1,0) (2,0)
+    run_tokens(core, [[[1, 2]]])  # a new token: layer 0 gets (0,1) (0,2); now full
+    # At layer 1 the layer visited last is layer 1 itself (needed again only next token):
+    # its unpinned expert (1,0) goes before any of layer 0 or 2.
+    run_tokens(core, [[[1, 2], [1]]])
+    assert (1, 0) not in core.slot_of and {(0, 1), (0, 2), (2, 0)} <= set(core.slot_of)
+    # Layer 2 next: among layer 1's (now layer visited before the current one) and layer 2's,
+    # layer 2's own (2,0) goes; then layer 1, least recently used first.
+    core.acquire(W, 2, [3], release_layers=[1])
+    core.finish_load((2, 3), ok=True)
+    assert (2, 0) not in core.slot_of
+    policy = core.policies[None]
+    assert policy.token == 2 and policy.layer == 2
+
+
+def test_nextuse_prefers_to_keep_frequently_used_experts():
+    core = CacheManagerCore(KNOWN, n_slots=4, policy="nextuse", policy_params={"half_life": 2})
+    # expert 0 of every layer is used every token; expert 1 of layer 0 only once
+    run_tokens(core, [[[0, 1], [0], [0]]] + [[[0], [0], [0]]] * 4)
+    policy = core.policies[None]
+    assert policy.q[0] > 0.7 and policy.q[1] < 0.15
+    run_tokens(core, [[[0, 2], [0], [0]]])  # a miss at layer 0: (0,1) is the victim
+    assert (0, 1) not in core.slot_of and (0, 0) in core.slot_of and (0, 2) in core.slot_of
+
+
+def test_scores_follow_the_layer_order_and_the_variants():
+    policy = make_policy("nextuse", 8)
+    policy.configure(list(range(L)), E)
+    policy.on_request(1)  # the first token, at layer 1
+    d = policy.scores() - policy.S[0]
+    expected_d = [(layer - 1 - 1) % L for layer in range(L) for _ in range(E)]
+    visited = np.arange(L * E) // E <= 1
+    base = np.where(visited, policy.S[1], policy.S[0])
+    assert np.allclose(policy.scores(), np.array(expected_d) + base)
+    assert np.allclose(d[~visited], expected_d[2 * E:])
+
+
+@pytest.mark.parametrize("name", ["leaststale", "nextuse"])
+def test_layer_aware_policies_never_evict_pinned_or_loading_experts(name):
+    rng = np.random.default_rng(0)
+    core = CacheManagerCore(KNOWN, n_slots=6, policy=name)
+    for _ in range(200):
+        layer = int(rng.integers(L))
+        experts = rng.choice(E, size=2, replace=False).tolist()
+        before = set(core.pinned_keys()) | set(core.loading)
+        _, loads, _ = core.acquire(W, layer, experts, release_layers=[(layer - 1) % L])
+        assert before - {(layer, e) for e in experts} <= set(core.slot_of) | before
+        for load in loads[:1]:  # leave some loading
+            core.finish_load(load.key, ok=True)
+        for key in list(core.loading):
+            core.finish_load(key, ok=True)
+        assert len(core.policies[None]) <= 6
+
+
+@pytest.mark.parametrize("name", ["leaststale", "nextuse"])
+def test_the_per_request_replay_cannot_run_them(name):
+    assert needs_core(name)
+    policy = make_policy(name, 4)
+    with pytest.raises(PolicyError, match="core"):
+        policy.on_request(0)
