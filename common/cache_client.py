@@ -144,12 +144,14 @@ class CacheClient:
         self.seq += 1
         return self.seq
 
-    def acquire(self, layer: int, experts: list[int], release_layers=()) -> list[int]:
+    def acquire(self, layer: int, experts: list[int], release_layers=(), token: str = ""
+                ) -> list[int]:
         """Slots holding the layer's experts, pinned until this layer is released (or
-        acquired again); ``release_layers`` are dropped first, in the same message."""
+        acquired again); ``release_layers`` are dropped first, in the same message.
+        ``token``: the decode step's input token, context for the manager's prefetcher."""
         self.seq = seq = self.seq + 1
-        return self._request(AcquireReq(seq, layer, experts, release_layers), AcquireRep,
-                             seq).slots
+        return self._request(AcquireReq(seq, layer, experts, release_layers, token),
+                             AcquireRep, seq).slots
 
     def acquire_tensors(self, layer: int, experts: list[int], release_layers=()) -> list[dict]:
         """Zero-copy torch views of each expert's projections, in request order."""

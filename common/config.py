@@ -111,13 +111,43 @@ class IPCConfig:
 
 
 @dataclass
+class FeaturesConfig:
+    pca_components: int = field(default=128, metadata=_spec(
+        "Dimensions the online PCA keeps of each layer's raw feature vector (0: no PCA).",
+        lo=0, hi=256))
+
+
+@dataclass
 class PredictorConfig:
+    model: str = field(default="lstm", metadata=_spec(
+        "Predictor network: a 2-layer LSTM over the token stream, or the linear model of the "
+        "same inputs (the ablation).", choices=("lstm", "linear")))
     lstm_hidden: int = field(default=64, metadata=_spec(
         "LSTM hidden size of the predictor.", choices=(32, 64, 128)))
-    window: int = field(default=1000, metadata=_spec(
-        "Sliding training window, in accesses.", lo=10, hi=1_000_000))
+    window_tokens: int = field(default=32, metadata=_spec(
+        "Sliding training window, in tokens (one token is top-k x layers expert accesses).",
+        lo=4, hi=4096))
+    train_every_tokens: int = field(default=16, metadata=_spec(
+        "Tokens between online training steps.", lo=1, hi=100_000))
+    ewc_strength: float = field(default=0.0, metadata=_spec(
+        "Weight of the EWC penalty (pull towards the anchored weights) in normal training.",
+        lo=0.0, hi=1000.0, live=True))
+    ewc_lambda: float = field(default=0.5, metadata=_spec(
+        "Weight of the EWC penalty during an elastic update (after a drift).", lo=0.0,
+        hi=1000.0, live=True))
+    drift: bool = field(default=True, metadata=_spec(
+        "Page-Hinkley drift detector on the prediction loss; a drift starts an elastic "
+        "update.", live=True))
+    drift_threshold: float = field(default=2.0, metadata=_spec(
+        "Page-Hinkley threshold (lambda) of the drift detector.", lo=0.01, hi=1000.0,
+        live=True))
+    int8: bool = field(default=False, metadata=_spec(
+        "Run inference on an INT8 dynamically quantized copy of the network."))
     publish_interval_ms: int = field(default=100, metadata=_spec(
         "Period of Prediction messages.", lo=1, hi=60_000))
+    max_age_ms: int = field(default=2000, metadata=_spec(
+        "A prediction older than this is not used: the cache manager falls back to LRU.",
+        lo=10, hi=3_600_000, live=True))
 
 
 @dataclass
@@ -128,6 +158,12 @@ class PrefetchConfig:
     budget: int = field(default=8, metadata=_spec(
         "Most prefetch loads in flight at once, in experts; a hard cap set at start.",
         lo=0, hi=256))
+    inline: bool = field(default=True, metadata=_spec(
+        "The cache manager's inline next-layer prefetcher (hints from the current token's "
+        "routing).", live=True))
+    threshold: float = field(default=0.5, metadata=_spec(
+        "The inline prefetcher hints an expert whose predicted chance of use reaches this.",
+        lo=0.0, hi=1.0, live=True))
 
 
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.
@@ -149,6 +185,7 @@ class FlashMoEConfig:
     io: IOConfig = field(default_factory=IOConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     ipc: IPCConfig = field(default_factory=IPCConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 

@@ -11,7 +11,10 @@ Sockets and the unions they accept:
   - worker -> cache manager (DEALER -> ROUTER, the hot path): ``WorkerToCache`` /
     ``CacheToWorker``;
   - any client -> a service's control socket (DEALER -> ROUTER, never the hot path):
-    ``ControlRequest`` / ``ControlReply``.
+    ``ControlRequest`` / ``ControlReply``;
+  - the learning path (PUB -> SUB): worker -> feature extractor ``AccessEvent``, extractor ->
+    predictor ``FeatureBatch``, predictor -> cache manager ``Prediction``
+    (``LearningMessage``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import msgspec
 
 # 2: AcquireReq.release_layers (per-layer pins), PrefetchHint, Release.layers, per-section
 #    config digests in Hello/Ready, the control socket's Health messages.
-SCHEMA_VERSION = 2
+# 3: the learning path's AccessEvent, FeatureBatch, Prediction; AcquireReq.token.
+SCHEMA_VERSION = 3
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
@@ -59,6 +63,7 @@ class AcquireReq(Message):
     # Layers whose pins this worker drops first (piggybacked release, no extra round trip).
     # Pins are per (worker, layer): acquiring a layer again replaces that layer's pins.
     release_layers: LayerIds = []
+    token: ShortText = ""  # the decode step's input token (context for the prefetcher)
 
 
 class AcquireRep(Message):
@@ -109,6 +114,56 @@ class Dead(Message):
     reason: ShortText  # sent by a process that is going down so peers fail fast
 
 
+# --- the learning path (PUB/SUB; every message sequence-numbered per publisher) --------------
+# A publisher's ``epoch`` (its start time, ns) tells a restart from a gap; ``seq`` counts its
+# messages from 0.
+
+Rows = Annotated[list[ExpertIds], msgspec.Meta(max_length=1024)]
+ProbRows = Annotated[list[Annotated[list[float], msgspec.Meta(max_length=1024)]],
+                     msgspec.Meta(max_length=1024)]
+
+
+class AccessEvent(Message):
+    source: ShortText  # the worker that served the token
+    epoch: NonNeg
+    seq: NonNeg
+    sequence: NonNeg  # the sequence (request) the token belongs to
+    position: NonNeg  # decode step within that sequence (0 = its first)
+    input_token: ShortText  # the token fed to this step, as text
+    next_token: ShortText  # the token it produced (the next step's input); "" at the end
+    experts: Rows  # per MoE layer, the router's top-k expert ids, highest first
+    probs: ProbRows  # the same shape: router probabilities; [] when unknown
+
+
+class FeatureBatch(Message):
+    source: ShortText  # the feature extractor
+    epoch: NonNeg
+    seq: NonNeg
+    event_seq: NonNeg  # the AccessEvent (token t) after which these features were computed
+    event_source: ShortText
+    position: NonNeg  # position of token t + 1, the token the features describe
+    experts: Rows  # token t's routing (the predictor's labels)
+    layers: NonNeg
+    experts_per_layer: NonNeg
+    per_layer: bytes  # float32 (layers, dims): the reduced per-layer vector (online PCA)
+    dims: NonNeg
+    per_expert: bytes  # float16 (layers * experts_per_layer, features): per-expert features
+    features: NonNeg
+    variance_kept: float  # share of the raw vectors' variance the reduction keeps
+
+
+class Prediction(Message):
+    source: ShortText  # the predictor
+    epoch: NonNeg
+    seq: NonNeg
+    event_seq: NonNeg  # the last token (AccessEvent seq) the prediction has seen
+    model_version: NonNeg  # training steps so far
+    layers: NonNeg
+    experts_per_layer: NonNeg
+    variants: NonNeg
+    scores: bytes  # float32 (variants, layers * experts_per_layer): S of policies/scored.py
+
+
 # --- control socket of every service ---------------------------------------------------------
 
 class HealthReq(Message):
@@ -125,6 +180,7 @@ class HealthRep(Message):
 
 WorkerToCache = Union[Hello, AcquireReq, PrefetchHint, Release, StatsReq]
 CacheToWorker = Union[Ready, AcquireRep, AcquireError, Released, StatsRep, Rejected, Dead]
+LearningMessage = Union[AccessEvent, FeatureBatch, Prediction]
 ControlRequest = Union[HealthReq, StatsReq]
 ControlReply = Union[HealthRep, StatsRep, Rejected, Dead]
 

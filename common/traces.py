@@ -179,3 +179,27 @@ def load_trace(spec: str, traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
         return load_trace_file(spec)
     raise TraceError(f"unknown trace {spec!r}: use gptoss20b:train|eval|all, warp:olmoe|kimi, "
                      f"or the path of a FlashMoE trace file")
+
+
+@dataclass
+class TokenStream:
+    """Per decode step of a trace: what a worker's AccessEvent carries."""
+    sequence: np.ndarray  # (T,) sequence index
+    position: np.ndarray  # (T,) step within the sequence
+    input_token: list[str]
+    next_token: list[str]  # "" at a sequence's end (no step follows)
+
+    @classmethod
+    def of(cls, trace: Trace) -> "TokenStream":
+        T = trace.n_tokens
+        lengths = np.diff(trace.offsets)
+        sequence = np.repeat(np.arange(trace.n_sequences), lengths)
+        position = np.arange(T) - np.repeat(trace.offsets[:-1], lengths)
+        inputs, nexts = [], []
+        for i, n in enumerate(lengths.tolist()):
+            words = list(trace.sequences[i].get("generated_only", [])) \
+                if i < len(trace.sequences) else []
+            words = [str(w) for w in words] + [""] * max(0, n + 1 - len(words))
+            inputs += words[:n]
+            nexts += words[1:n] + [""]
+        return cls(sequence, position, inputs, nexts)

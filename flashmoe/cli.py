@@ -13,11 +13,12 @@ from common.safetensors_io import SafetensorsError
 from common.store import StoreError
 from common.traces import DEFAULT_TRACES_DIR, TraceError
 from flashmoe.device_model import DEVICES as DEVICE_NAMES
+from flashmoe.errors import CheckpointError
 from flashmoe.reports import write_json
 from services.cache_manager.policies import PolicyError
 
 USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError,
-               TraceError, PolicyError)
+               TraceError, PolicyError, CheckpointError)
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -129,7 +130,26 @@ def cmd_serve_cache(args) -> int:
     from services.cache_manager.process import run_cache_manager_process
 
     control = args.control_endpoint or control_endpoint_for(args.endpoint)
-    return run_cache_manager_process(_config(args, args.store), args.endpoint, control)
+    return run_cache_manager_process(_config(args, args.store), args.endpoint, control,
+                                     args.predictions)
+
+
+def cmd_serve_features(args) -> int:
+    from common.bus import control_endpoint_for
+    from services.feature_extractor.process import run_feature_extractor_process
+
+    control = args.control_endpoint or control_endpoint_for(args.endpoint)
+    return run_feature_extractor_process(_config(args, args.store), args.events, args.endpoint,
+                                         control, args.warmup)
+
+
+def cmd_serve_predictor(args) -> int:
+    from common.bus import control_endpoint_for
+    from services.predictor.process import run_predictor_process
+
+    control = args.control_endpoint or control_endpoint_for(args.endpoint)
+    return run_predictor_process(_config(args, args.store), args.features, args.endpoint,
+                                 control, args.checkpoint_dir, args.warmup)
 
 
 def cmd_build_helper(args) -> int:
@@ -158,13 +178,15 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from common.traces import load_trace
     from flashmoe import simulator
-    from flashmoe.device_model import DEVICES, MODEL_SHAPES, shape_for_trace
+    from flashmoe.device_model import DEVICES, shape_for_trace
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     shape = shape_for_trace(trace, args.model, args.expert_bytes)
     report = simulator.run_bench(trace, args.scope, args.capacity, args.policies,
                                  DEVICES[args.device], shape, mode=args.mode, jobs=args.jobs,
-                                 progress=False if args.quiet else None)
+                                 progress=False if args.quiet else None, config=_config(args),
+                                 warmup=args.warmup, prefetch=args.prefetch,
+                                 stale_tokens=args.stale_tokens)
     print(simulator.format_table(report))
     if args.json:
         write_json(report, args.json)
@@ -172,6 +194,21 @@ def cmd_bench(args) -> int:
     if args.plot:
         simulator.plot(report, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    from tqdm import tqdm
+
+    from common.traces import load_trace
+    from flashmoe.learning import warmup
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    with tqdm(total=trace.n_tokens, unit="tok", desc="warmup",
+              disable=True if args.quiet else None) as bar:
+        summary = warmup(trace, _config(args), args.out, progress=bar.update)
+    print(json.dumps(summary))
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -190,7 +227,8 @@ def cmd_trace_worker(args) -> int:
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     config = _config(args) if (args.config or args.set or args.profile) else None
-    stats = run_trace_worker(config, args.cache, trace, args.start, args.tokens)
+    stats = run_trace_worker(config, args.cache, trace, args.start, args.tokens,
+                             events=args.events)
     keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read")
     print(json.dumps({k: stats[k] for k in keys}))
     if args.json:
@@ -267,8 +305,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc:///x.sock")
     p.add_argument("--control-endpoint", help="control socket (health, stats); default: "
                                               "the endpoint's x.control.sock for ipc")
+    p.add_argument("--predictions", type=_csv(str), default=[],
+                   help="the predictor's PUB endpoint(s) to subscribe to")
     _add_config_flags(p)
     p.set_defaults(func=cmd_serve_cache)
+
+    p = sub.add_parser("serve-features", help="run the feature extractor process")
+    p.add_argument("store")
+    p.add_argument("--events", type=_csv(str), required=True,
+                   help="the workers' AccessEvent PUB endpoint(s)")
+    p.add_argument("--endpoint", required=True, help="PUB endpoint to bind for FeatureBatches")
+    p.add_argument("--control-endpoint")
+    p.add_argument("--warmup", metavar="CKPT", help="start from a warm-up checkpoint's tables")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_serve_features)
+
+    p = sub.add_parser("serve-predictor", help="run the predictor process")
+    p.add_argument("store")
+    p.add_argument("--features", type=_csv(str), required=True,
+                   help="the feature extractor's PUB endpoint(s)")
+    p.add_argument("--endpoint", required=True, help="PUB endpoint to bind for Predictions")
+    p.add_argument("--control-endpoint")
+    p.add_argument("--checkpoint-dir", required=True,
+                   help="where the predictor checkpoints itself (and resumes from)")
+    p.add_argument("--warmup", metavar="CKPT", help="a warm-up checkpoint for a first start")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_serve_predictor)
 
     p = sub.add_parser("build-helper", help="compile the io_uring C helper")
     p.add_argument("--force", action="store_true")
@@ -309,9 +371,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--warmup", metavar="CKPT", help="a `flashmoe warmup` checkpoint for the "
+                                                   "learned policy (default: cold start)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="the inline next-layer prefetcher on, for every policy but belady")
+    p.add_argument("--stale-tokens", type=int, default=0,
+                   help="deliver the learned policy's estimates this many tokens late")
     p.add_argument("--quiet", action="store_true", help="no progress bar (none either when "
                                                         "stderr is not a terminal)")
+    _add_config_flags(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("warmup", help="pre-train the learned policy (feature tables and the "
+                                      "predictor) on a routing trace")
+    p.add_argument("--trace", default="gptoss20b:train")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--quiet", action="store_true")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("trace", help="routing traces")
     trace_sub = p.add_subparsers(dest="trace_command", required=True)
@@ -331,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start", type=int, default=0, help="first decode step (row) to replay")
     p.add_argument("--tokens", type=int, help="decode steps to replay (default: all)")
     p.add_argument("--json", metavar="FILE", help="write the cache manager's stats at the end")
+    p.add_argument("--events", help="PUB endpoint to bind for the AccessEvents it publishes")
     _add_config_flags(p)
     p.set_defaults(func=cmd_trace_worker)
 

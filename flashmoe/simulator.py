@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+from pathlib import Path
 import itertools
 import multiprocessing as mp
 import os
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from common.config import FlashMoEConfig
 from common.traces import Trace, TraceError
 from flashmoe.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
 from services.cache_manager.core import AcquireFailed, CacheManagerCore
@@ -127,11 +129,34 @@ class CoreRun:
     stall_ms: float  # of which layers waited for reads
 
 
+class ReplayHooks:
+    """What runs beside the cache manager's core in a replay (the learning path, the inline
+    prefetcher): called on the virtual clock, in stream order. The default does nothing."""
+
+    def start(self, core: CacheManagerCore) -> None:
+        """A cache lifetime begins (once in the global scope, per sequence in the layer one)."""
+
+    def before_request(self, core: CacheManagerCore, now_ms: float, token: int,
+                       layer: int) -> None:
+        """Before each acquire: e.g. deliver the newest prediction on its cadence."""
+
+    def after_request(self, core: CacheManagerCore, now_ms: float, token: int, layer: int,
+                      experts: list[int]) -> None:
+        """After each acquire was answered: e.g. hint the next layers' experts."""
+
+    def after_token(self, token: int, now_ms: float) -> None:
+        """A token's last layer ran: its access event goes down the learning path."""
+
+
 def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: DeviceModel,
                 expert_bytes: int, compute_ms: float, next_use: np.ndarray | None = None,
-                params: dict | None = None) -> CoreRun:
+                params: dict | None = None, hooks: ReplayHooks | None = None,
+                prefetch_budget: int = 0, prefetch_window: int | None = None) -> CoreRun:
     """``core`` mode: the cache manager's core on a virtual clock, driven by the worker's
-    acquire schedule. ``next_use``: per request in token-major order (oracle policies)."""
+    acquire schedule. ``next_use``: per request in token-major order (oracle policies).
+    Prefetch loads (``hooks`` hinting, within ``prefetch_budget``) share the SSD with demand
+    reads; one is started when the disk has less than one expert's transfer left queued
+    (the free queue depth)."""
     L, E = trace.num_layers, trace.num_experts
     sizes = {(layer, expert): expert_bytes for layer in range(L) for expert in range(E)}
     n_slots = capacity * (L if scope == "layer" else 1)
@@ -140,20 +165,27 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
     hits = np.zeros(trace.n_tokens * L, dtype=np.int8)
     totals: dict = {}
     ssd = SimulatedSSD(device)
+    transfer_ms = expert_bytes * ssd.ms_per_byte
     tie = itertools.count()
     now = stall = 0.0
     K = trace.top_k
+    hooks = hooks or ReplayHooks()
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        core = CacheManagerCore(sizes, n_slots, policy, params, scope=scope, allow_oracle=True)
+        core = CacheManagerCore(sizes, n_slots, policy, params, scope=scope, allow_oracle=True,
+                                prefetch_budget=prefetch_budget, prefetch_window=prefetch_window)
         if next_use is not None:
             for p in core.policies.values():
                 p.feed(next_use[start * L * K:stop * L * K].tolist())
+        hooks.start(core)
         acquire, finish, stats = core.acquire, core.finish_load, core.stats
         heap: list = []
         step = start * L
-        for _token, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
+        token = start
+        for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
             while heap and heap[0][0] <= now:
                 finish(heapq.heappop(heap)[2], True)
+            token = start + offset
+            hooks.before_request(core, now, token, layer)
             before = stats["n_hit"]
             _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release)
             if loads and not heap:
@@ -176,7 +208,13 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                         now = done_at
             hits[step] = stats["n_hit"] - before
             step += 1
+            hooks.after_request(core, now, token, layer, experts)
+            if core.pending_hints and ssd.free_at - now < transfer_ms:
+                for load in core.issue_prefetches(1):
+                    heapq.heappush(heap, (ssd.read(now, load.nbytes), next(tie), load.key))
             now += compute_ms
+            if layer == L - 1:
+                hooks.after_token(token, now)
         while heap:
             finish(heapq.heappop(heap)[2], True)
         for name, value in stats.items():
@@ -212,18 +250,59 @@ def _requests_job(policy: str, capacity: int) -> dict:
 
 def _core_job(policy: str, capacity: int) -> dict:
     trace, scope, shape, device = (_SHARED[k] for k in ("trace", "scope", "shape", "device"))
+    config = _SHARED["config"]
+    options = _SHARED["options"]
+    hooks, learning = _hooks_for(policy, trace, config, options)
+    prefetch = options.get("prefetch", False)
     try:
         run = replay_core(policy, capacity, trace, scope, device,
                           shape.expert_bytes if shape else 0,
                           device.compute_ms_per_layer(shape) if shape else 0.0,
-                          _SHARED.get("next_use") if needs_future(policy) else None)
+                          _SHARED.get("next_use") if needs_future(policy) else None,
+                          params=config.cache.policy_params if policy == config.cache.policy
+                          else None, hooks=hooks,
+                          prefetch_budget=config.prefetch.budget if prefetch else 0,
+                          prefetch_window=config.prefetch.window if prefetch else None)
     except AcquireFailed as exc:
         return {"infeasible": str(exc)}
-    out = {"hits": run.stats["n_hit"], "loads": run.stats["n_load"],
-           "n_hit_loading": run.stats["n_hit_loading"]}
+    stats = run.stats
+    out = {"hits": stats["n_hit"], "loads": stats["n_load"],
+           "n_hit_loading": stats["n_hit_loading"]}
+    if prefetch:
+        out.update({k: stats[k] for k in ("prefetch_issued", "prefetch_used", "prefetch_wasted",
+                                          "prefetch_bytes")})
+    if learning is not None:
+        out["cpu_ms_per_token"] = round(learning.cpu_ms_per_token(), 3)
+        out["cpu_ms_by_stage"] = {k: round(1e3 * v / max(learning.tokens, 1), 3)
+                                  for k, v in {**learning.cpu_s,
+                                               **learning.learner.cpu_s}.items()}
+        out["drifts"] = len(learning.learner.drifts)
+        out["variance_kept"] = learning.extractor.pca.variance_kept
+        out["estimates"] = hooks.published
     if shape is not None:
         out["total_ms"], out["stall_ms"] = run.total_ms, run.stall_ms
     return out
+
+
+def _hooks_for(policy: str, trace: Trace, config, options: dict):
+    """The learning path (for a policy that takes estimates) and the inline prefetcher (with
+    ``--prefetch``), or (None, None)."""
+    from flashmoe.learning import Learning, LearningPath
+    from services.cache_manager.policies import POLICIES
+    from services.cache_manager.prefetcher import NextLayerPrefetcher
+
+    learning = None
+    if getattr(POLICIES[policy], "accepts_estimates", False):
+        learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k, config)
+        if options.get("warmup"):
+            learning.load(options["warmup"])
+    prefetcher = None
+    if options.get("prefetch") and not needs_future(policy):
+        prefetcher = NextLayerPrefetcher(trace.num_layers, trace.num_experts, trace.top_k)
+    if learning is None and prefetcher is None:
+        return None, None
+    return LearningPath(trace, learning, config.predictor.publish_interval_ms,
+                        options.get("stale_tokens", 0), prefetcher), learning
 
 
 def capacity_for(fraction: float, trace: Trace, scope: str) -> int:
@@ -242,9 +321,14 @@ def show_progress(progress: bool | None) -> bool:
 
 def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[str],
               device: DeviceModel, shape: ModelShape | None, mode: str = "core",
-              jobs: int | None = None, progress: bool | None = None) -> dict:
+              jobs: int | None = None, progress: bool | None = None,
+              config: FlashMoEConfig | None = None, warmup: str | None = None,
+              prefetch: bool = False, stale_tokens: int = 0) -> dict:
     """``shape`` None: a model without a shape profile; hit rates only, the time and byte
-    columns are null."""
+    columns are null. ``config``: predictor, feature and prefetch settings (and
+    ``cache.policy_params`` for the policy ``cache.policy`` names). ``warmup``: a checkpoint
+    of `flashmoe warmup` for the learned policy; ``prefetch``: the inline prefetcher on for
+    every policy but Belady (which stays the demand-fetching bound)."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise PolicyError(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
@@ -256,7 +340,12 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
                           f"manager's core; run them with --mode core")
     capacities = {f: capacity_for(f, trace, scope) for f in fractions}  # fail before any work
     started = time.perf_counter()
-    _SHARED.update(mode=mode, trace=trace, scope=scope, shape=shape, device=device)
+    if (prefetch or stale_tokens or warmup) and mode != "core":
+        raise PolicyError("--prefetch, --warmup and stale predictions need --mode core")
+    _SHARED.update(mode=mode, trace=trace, scope=scope, shape=shape, device=device,
+                   config=config or FlashMoEConfig(),
+                   options={"warmup": warmup, "prefetch": prefetch,
+                            "stale_tokens": stale_tokens})
     requests = build_requests(trace, scope, order="token" if mode == "core" else "replay")
     _SHARED["requests"] = requests
     if any(needs_future(p) for p in policies):
@@ -296,6 +385,15 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
             row["hit_rate"] = round(m["hits"] / n, 6)
             if mode == "core":
                 row["n_hit_loading"] = m["n_hit_loading"]
+            if "prefetch_issued" in m:
+                # resident when requested, prefetches that landed in time included
+                row["stall_free_rate"] = row["hit_rate"]
+                row.update({k: m[k] for k in ("prefetch_issued", "prefetch_used",
+                                              "prefetch_wasted", "prefetch_bytes")})
+            for key in ("cpu_ms_per_token", "cpu_ms_by_stage", "drifts", "variance_kept",
+                        "estimates"):
+                if key in m:
+                    row[key] = m[key]
             lru, belady = counts.get("lru"), counts.get("belady")
             if lru is not None and belady is not None and belady != lru:
                 row["gap_closed"] = round((m["hits"] - lru) / (belady - lru), 4)
@@ -308,7 +406,9 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
                 if "stall_ms" in m:
                     row["stall_ms_per_token"] = round(m["stall_ms"] / requests.n_tokens, 3)
             results.append(row)
-    return {"trace": trace.name, "scope": scope, "mode": mode, "tokens": requests.n_tokens,
+    return {"trace": trace.name, "scope": scope, "mode": mode, "prefetch": prefetch,
+            "warmup": Path(warmup).name if warmup else None, "stale_tokens": stale_tokens,
+            "tokens": requests.n_tokens,
             "sequences": trace.n_sequences, "accesses": n,
             "assumptions": describe(device, shape) if shape is not None else None,
             "jobs": jobs, "wall_s": round(time.perf_counter() - started, 1), "results": results}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flashmoe  # noqa: F401  (first: single-threaded BLAS, as in every FlashMoE process)
 import subprocess
 import sys
 from pathlib import Path

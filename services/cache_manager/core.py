@@ -389,6 +389,18 @@ class CacheManagerCore:
             done += self.finish_load(key, ok=False, code=code, message=message)
         return done
 
+    # --- estimates ----------------------------------------------------------------------------
+
+    def set_estimate(self, S, layers: list[int] | None = None) -> bool:
+        """Hand a predictor's estimate (or None: none usable) to a policy that takes one;
+        False when the policy does not."""
+        taken = False
+        for policy in self.policies.values():
+            if getattr(policy, "accepts_estimates", False):
+                policy.set_estimate(S, layers)
+                taken = True
+        return taken
+
     # --- gauges ---------------------------------------------------------------------------
 
     def policy_params_json(self) -> str:

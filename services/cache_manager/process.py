@@ -16,7 +16,6 @@ status ``EXIT_ENGINE_FAILED`` so that a supervisor restarts the process.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import logging
 import os
@@ -32,16 +31,19 @@ import numpy as np
 import zmq
 
 from common.arena import Arena
-from common.bus import ControlServer, Inbox, PeerWatch, handshake_mismatch, make_socket
+from common.bus import (ControlServer, Inbox, PeerWatch, SeqGaps, Subscriber, handshake_mismatch,
+                        make_socket)
 from common.config import ConfigError, FlashMoEConfig
-from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Hello, PrefetchHint,
-                             ProtocolError, Ready, Rejected, Release, Released, StatsRep,
-                             StatsReq, WorkerToCache, encode)
+from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Hello, LearningMessage,
+                             Prediction, PrefetchHint, ProtocolError, Ready, Rejected, Release,
+                             Released, StatsRep, StatsReq, WorkerToCache, encode)
+from common.service import arm_parent_death_signal, setup_process_logging
 from common.store import ChecksumError, ExpertStore
 
 from .core import AcquireFailed, CacheManagerCore, Load, Waiter
 from .io_engine import IOEngineError, open_engine
 from .policies import PolicyError
+from .prefetcher import NextLayerPrefetcher, PrefetcherParams
 
 log = logging.getLogger("flashmoe.cache_manager")
 POLL_MS = 100
@@ -117,7 +119,8 @@ class Verifier:
 
 
 class CacheManager:
-    def __init__(self, config: FlashMoEConfig, endpoint: str, control_endpoint: str) -> None:
+    def __init__(self, config: FlashMoEConfig, endpoint: str, control_endpoint: str,
+                 predictions: list[str] = ()) -> None:
         self.config = config
         self.store = ExpertStore.open(config.store.path)
         n_slots = config.cache.capacity_experts
@@ -164,6 +167,17 @@ class CacheManager:
         self.read_latency_us: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.section_digests = config.section_digests()
         self.state = State.RUNNING
+        manifest = self.store.manifest
+        self.moe_layers = list(manifest.moe_layers)
+        self.layer_position = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.prefetcher = NextLayerPrefetcher(
+            len(self.moe_layers), manifest.num_experts, manifest.top_k,
+            PrefetcherParams(threshold=config.prefetch.threshold)) \
+            if config.prefetch.inline and config.prefetch.budget else None
+        self.predictions = Subscriber(self.ctx, config, list(predictions), LearningMessage,
+                                      self.counters, "predictions") if predictions else None
+        self.prediction_gaps = SeqGaps(Counter())
+        self.estimate_at: float | None = None  # when the estimate in use arrived
         self.handlers = {Hello: self.handle_hello, AcquireReq: self.handle_acquire,
                          PrefetchHint: self.handle_prefetch, Release: self.handle_release,
                          StatsReq: self.handle_stats}
@@ -217,6 +231,7 @@ class CacheManager:
                     if identity is None or time.monotonic() >= next_tick:
                         next_tick = time.monotonic() + POLL_MS / 1000
                         self.check_peers()
+                        self.take_predictions()
             self.broadcast_dead("cache manager shut down")
         except EngineFailed as exc:
             self.broadcast_dead(f"cache manager failed: {exc}")
@@ -232,6 +247,41 @@ class CacheManager:
         tick, and before a new worker is registered: see PeerWatch)."""
         for identity in self.peers.disconnected():
             self.worker_gone(identity)
+
+    def take_predictions(self) -> None:
+        """On the tick: the newest Prediction goes to the policy; one older than
+        ``predictor.max_age_ms`` is withdrawn (the policy falls back to LRU)."""
+        now = time.monotonic()
+        if self.predictions is not None:
+            newest = None
+            for message in self.predictions.drain():
+                if isinstance(message, Prediction):
+                    self.prediction_gaps.observe(message.source, message.seq, message.epoch)
+                    newest = message
+                else:
+                    self.counters["rejected_unexpected"] += 1
+            if newest is not None and self.use_prediction(newest):
+                self.estimate_at = now
+        max_age = self.config.predictor.max_age_ms / 1000
+        if self.estimate_at is not None and now - self.estimate_at > max_age:
+            self.core.set_estimate(None)
+            self.estimate_at = None
+            self.counters["estimate_expired"] += 1
+            log.warning("no prediction for %.1f s: the policy falls back to LRU", max_age)
+
+    def use_prediction(self, message: Prediction) -> bool:
+        L, E = len(self.moe_layers), self.store.manifest.num_experts
+        try:
+            S = np.frombuffer(message.scores, np.float32).reshape(message.variants, L * E)
+            if (message.layers, message.experts_per_layer, message.variants) != (L, E, 3):
+                raise ValueError(f"{message.layers} x {message.experts_per_layer} x "
+                                 f"{message.variants}, expected {L} x {E} x 3")
+        except ValueError as exc:
+            self.counters["rejected_shape"] += 1
+            log.warning("dropped a prediction of the wrong shape: %s", exc)
+            return False
+        self.counters["predictions"] += 1
+        return self.core.set_estimate(S.astype(np.float64), self.moe_layers)
 
     def serve_worker_message(self, identity: bytes) -> None:
         """One message per turn of the loop (its identity frame already received): a poll
@@ -277,6 +327,8 @@ class CacheManager:
 
     def close(self) -> None:
         self.control.close()
+        if self.predictions is not None:
+            self.predictions.close()
         self.peers.close()
         self.recv_from_workers.close()
         self.ctx.term()
@@ -403,6 +455,12 @@ class CacheManager:
             self.send(identity, AcquireRep(msg.seq, msg.layer, slots))
         if loads:
             self.start_loads(loads)
+        if self.prefetcher is not None:
+            position = self.layer_position.get(msg.layer)
+            if position is not None:
+                self.prefetcher.after_request(self.core, identity, position,
+                                              msg.experts, msg.token, self.moe_layers)
+                self.issue_prefetches()
 
     def handle_prefetch(self, identity: bytes, msg: PrefetchHint) -> None:
         self.counters["n_prefetch_hint"] += 1
@@ -427,29 +485,24 @@ class CacheManager:
                 "engine": self.engine.name, "engine_direct": int(self.engine.direct),
                 "engine_fallback_reason": self.engine_fallback_reason,
                 "engine_inflight": self.engine.inflight(), "policy": self.core.policy_name,
+                "estimate": ("none" if self.estimate_at is None else "fresh"),
+                "estimate_age_ms": (round((time.monotonic() - self.estimate_at) * 1e3, 1)
+                                    if self.estimate_at is not None else -1),
+                "prediction_gaps": self.prediction_gaps.counters["n_gap"],
+                "prefetcher_hints": self.prefetcher.stats["hints"] if self.prefetcher else 0,
                 "policy_params": self.core.policy_params_json(),
                 "workers": len(self.workers), "state": self.state.value,
                 "read_p50_us": percentile_us(lat, 50), "read_p99_us": percentile_us(lat, 99)}
 
 
-def arm_parent_death_signal() -> None:
-    """Ask the kernel to SIGTERM us when the parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def run_cache_manager_process(config: FlashMoEConfig, endpoint: str,
-                              control_endpoint: str) -> int:
+def run_cache_manager_process(config: FlashMoEConfig, endpoint: str, control_endpoint: str,
+                              predictions: list[str] = ()) -> int:
     """Process entry: set up, serve until SIGTERM/SIGINT, shut down cleanly. Returns the
     exit status (``EXIT_ENGINE_FAILED`` when the IO engine failed)."""
     arm_parent_death_signal()
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    setup_process_logging()
     try:
-        manager = CacheManager(config, endpoint, control_endpoint)
+        manager = CacheManager(config, endpoint, control_endpoint, predictions)
     except Exception:
         log.error("cache manager failed to start:\n%s", traceback.format_exc())
         raise

@@ -2,33 +2,78 @@
 
 ``run_trace_worker`` replays a recorded routing trace through a live cache manager with the
 worker's acquire schedule (``core.acquire_schedule``): one AcquireReq per layer, the previous
-layer released in the same message. The routing comes from the trace instead of a model, so
-the cache manager, its IO engine and the arena all run for real.
+layer released in the same message, the step's input token as the prefetcher's context. The
+routing comes from the trace instead of a model, so the cache manager, its IO engine and the
+arena all run for real. With ``events`` it publishes one AccessEvent per token on that PUB
+endpoint (the learning path's input), sequence-numbered.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
+import zmq
+
+from common.bus import Publisher
 from common.cache_client import CacheClient
 from common.config import FlashMoEConfig
-from common.traces import Trace
+from common.protocol import AccessEvent
+from common.traces import TokenStream, Trace
 
 from .core import acquire_schedule
 
 log = logging.getLogger("flashmoe.inference_worker")
 
 
+class EventPublisher:
+    """One AccessEvent per token on a PUB socket."""
+
+    def __init__(self, config: FlashMoEConfig, endpoint: str, source: str) -> None:
+        self.ctx = zmq.Context()
+        self.publisher = Publisher(self.ctx, config, endpoint)
+        self.source, self.epoch, self.seq = source, time.time_ns(), 0
+
+    def publish(self, sequence: int, position: int, input_token: str, next_token: str,
+                experts: list[list[int]], probs: list[list[float]]) -> None:
+        self.publisher.publish(AccessEvent(self.source, self.epoch, self.seq, sequence,
+                                           position, input_token, next_token, experts, probs))
+        self.seq += 1
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.ctx.term()
+
+
 def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: Trace,
-                     start: int = 0, tokens: int | None = None, name: str = "trace-worker"
-                     ) -> dict:
+                     start: int = 0, tokens: int | None = None, name: str = "trace-worker",
+                     events: str | None = None, settle_s: float = 0.5) -> dict:
     """Replay ``tokens`` decode steps of ``trace`` from row ``start``; returns the cache
-    manager's stats at the end."""
+    manager's stats at the end. ``events``: publish AccessEvents there (after ``settle_s``,
+    the subscribers' time to connect)."""
     stop = trace.n_tokens if tokens is None else min(trace.n_tokens, start + tokens)
-    with CacheClient(cache_endpoint, config, name=name) as client:
-        for _token, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
-            client.acquire(layer, experts, release)
-        client.release()
-        stats = client.stats()
+    stream = TokenStream.of(trace)
+    publisher = EventPublisher(config or FlashMoEConfig(), events, f"{name}[{os.getpid()}]") \
+        if events else None
+    if publisher is not None:
+        time.sleep(settle_s)
+    try:
+        with CacheClient(cache_endpoint, config, name=name) as client:
+            L = trace.num_layers
+            for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
+                t = start + offset
+                client.acquire(layer, experts, release, stream.input_token[t])
+                if layer == L - 1 and publisher is not None:
+                    probs = trace.probs[t].astype(float).tolist() \
+                        if trace.probs is not None else []
+                    publisher.publish(int(stream.sequence[t]), int(stream.position[t]),
+                                      stream.input_token[t], stream.next_token[t],
+                                      trace.experts[t].tolist(), probs)
+            client.release()
+            stats = client.stats()
+    finally:
+        if publisher is not None:
+            publisher.close()
     log.info("replayed %d tokens of %s", stop - start, trace.name)
     return stats

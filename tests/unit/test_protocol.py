@@ -1,8 +1,9 @@
 import msgpack
 import pytest
 
-from common.protocol import (SCHEMA_VERSION, AcquireError, AcquireRep, AcquireReq, CacheToWorker,
-                             ControlReply, ControlRequest, Dead, Decoder, HealthRep, HealthReq,
+from common.protocol import (SCHEMA_VERSION, AccessEvent, AcquireError, AcquireRep, AcquireReq,
+                             CacheToWorker, ControlReply, ControlRequest, Dead, Decoder,
+                             FeatureBatch, HealthRep, HealthReq, LearningMessage, Prediction,
                              Hello, PrefetchHint, ProtocolError, Ready, Rejected, Release,
                              StatsRep, StatsReq, WorkerToCache, encode)
 
@@ -24,6 +25,18 @@ def test_cache_messages_roundtrip(message):
     assert Decoder(CacheToWorker).decode(encode(message)) == message
 
 
+LEARNING = [AccessEvent("w", 7, 0, 1, 2, "the", " cat", [[1, 2], [3, 4]], [[0.6, 0.4]] * 2),
+            AccessEvent("w", 7, 1, 1, 3, " cat", "", [[1, 2], [3, 4]], []),
+            FeatureBatch("fx", 8, 0, 0, "w", 3, [[1, 2], [3, 4]], 2, 4, b"\0" * 32, 4,
+                         b"\0" * 16, 1, 0.97),
+            Prediction("p", 9, 0, 0, 3, 2, 4, 3, b"\0" * 96)]
+
+
+@pytest.mark.parametrize("message", LEARNING)
+def test_learning_messages_roundtrip(message):
+    assert Decoder(LearningMessage, max_bytes=1 << 20).decode(encode(message)) == message
+
+
 @pytest.mark.parametrize("message", [HealthReq(1), StatsReq(2)])
 def test_control_requests_roundtrip(message):
     assert Decoder(ControlRequest).decode(encode(message)) == message
@@ -35,8 +48,8 @@ def test_control_replies_roundtrip():
 
 
 def test_wire_is_plain_msgpack_with_version():
-    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0])))
-    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0]]
+    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0], "the")))
+    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0], "the"]
 
 
 @pytest.mark.parametrize("frame, code", [

@@ -281,7 +281,7 @@ def test_checkpoint_tensor_whose_bytes_disagree_with_its_shape_is_refused(tiny_c
                 damaged = name
         write_safetensors(path, items)
     assert damaged is not None
-    with pytest.raises(StoreError, match=f"layer 1 expert 5: tensor \\w+ is \\d+ bytes, but"):
+    with pytest.raises(StoreError, match="layer 1 expert 5: tensor \\w+ is \\d+ bytes, but"):
         convert_checkpoint(ckpt, tmp_path / "s", show_progress=False)
     assert not (tmp_path / "s" / MANIFEST_NAME).exists()
 

@@ -9,6 +9,7 @@ from .base import EvictionPolicy, PolicyError, build_params
 from .belady import BeladyPolicy
 from .car import CARPolicy
 from .fifo import FIFOPolicy
+from .flashmoe import FlashMoEPolicy
 from .lfu import LFUPolicy
 from .lirs import LIRSPolicy
 from .leaststale import LeastStalePolicy
@@ -20,7 +21,7 @@ from .sieve import SIEVEPolicy
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, ARCPolicy, LIRSPolicy, CARPolicy,
                               S3FIFOPolicy, SIEVEPolicy, BeladyPolicy, LeastStalePolicy,
-                              NextUsePolicy)
+                              NextUsePolicy, FlashMoEPolicy)
 }
 
 

@@ -1,0 +1,158 @@
+"""The learning path in-process: the feature extractor's and the predictor's own cores, fed
+a routing trace in stream order, for `flashmoe bench` (on its virtual clock) and
+`flashmoe warmup` (pre-training on a split).
+
+Timing on the virtual clock (``LearningPath``): token t's access event is processed when its
+last layer has run; the estimate for token t + 1 it yields is published on the predictor's
+cadence (every ``publish_interval_ms`` of simulated time, the newest one), so the cache
+manager only ever uses estimates made from the past, and ``stale_tokens`` delays them further
+(the prediction-age study). The CPU time of extraction, inference and training is measured
+per token.
+
+A warm-up checkpoint is a folder: ``extractor.safetensors`` + ``extractor.json`` (the
+extractor's tables and PCA) and ``predictor.safetensors`` + ``predictor.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.config import FlashMoEConfig
+from common.traces import TokenStream, Trace
+from flashmoe.errors import CheckpointError
+from flashmoe.simulator import SIM_WORKER, ReplayHooks
+from services.cache_manager.core import CacheManagerCore
+from services.feature_extractor.core import (FEATURES, ExtractorCore, load_checkpoint,
+                                             save_checkpoint)
+from services.predictor.core import Learner, LearnerParams
+
+
+@dataclass
+class Learning:
+    """The extractor and predictor cores of one stream, and their CPU time."""
+    extractor: ExtractorCore
+    learner: Learner
+    cpu_s: dict = field(default_factory=lambda: {"extract": 0.0, "predict": 0.0})
+    tokens: int = 0
+    _pending: bool = False  # a prediction awaits its token's routing
+
+    @classmethod
+    def create(cls, num_layers: int, num_experts: int, top_k: int,
+               config: FlashMoEConfig) -> "Learning":
+        extractor = ExtractorCore(num_layers, num_experts, top_k,
+                                  config.features.pca_components)
+        learner = Learner(num_layers, num_experts, extractor.pca.out_dim, len(FEATURES),
+                          LearnerParams.from_config(config))
+        return cls(extractor, learner)
+
+    def on_token(self, stream: TokenStream, trace: Trace, t: int) -> np.ndarray | None:
+        """Token t ran: returns the estimate S for token t + 1 (None at a sequence's end)."""
+        started = time.process_time()
+        experts = trace.experts[t]
+        probs = trace.probs[t] if trace.probs is not None else None
+        out = self.extractor.on_event(int(stream.sequence[t]), int(stream.position[t]),
+                                      stream.input_token[t], stream.next_token[t], experts,
+                                      probs)
+        middle = time.process_time()
+        self.cpu_s["extract"] += middle - started
+        L, E = experts.shape[0], self.learner.E
+        if self._pending:
+            keys = (experts.astype(np.int64) + (np.arange(L) * E)[:, None]).reshape(-1)
+            self.learner.observe(keys)
+        S = None
+        self._pending = out is not None
+        if out is not None:
+            X, z = out
+            S = self.learner.predict(X, z)
+        self.cpu_s["predict"] += time.process_time() - middle
+        self.tokens += 1
+        return S
+
+    def cpu_ms_per_token(self) -> float:
+        return 1e3 * sum(self.cpu_s.values()) / max(self.tokens, 1)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def save(self, folder: str | Path, extra: dict | None = None) -> None:
+        save_checkpoint(self.extractor, folder)
+        self.learner.save(folder, extra)
+
+    def load(self, folder: str | Path) -> dict:
+        try:
+            load_checkpoint(self.extractor, folder)
+            return self.learner.load(folder)
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{folder}: not a warm-up checkpoint ({exc.filename} is "
+                                  f"missing); make one with `flashmoe warmup`") from None
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{folder}: unusable warm-up checkpoint: {exc}") from None
+
+
+class LearningPath(ReplayHooks):
+    """The learning path on the replay's virtual clock."""
+
+    def __init__(self, trace: Trace, learning: Learning | None, publish_interval_ms: float,
+                 stale_tokens: int = 0, prefetcher=None) -> None:
+        self.trace, self.learning = trace, learning
+        self.stream = TokenStream.of(trace)
+        self.interval = publish_interval_ms
+        self.stale = stale_tokens
+        self.made: deque = deque()  # estimates made, oldest first
+        self.next_publish = 0.0
+        self.published = 0
+        self.prefetcher = prefetcher
+
+    def start(self, core: CacheManagerCore) -> None:
+        self.made.clear()
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
+
+    def before_request(self, core: CacheManagerCore, now_ms: float, token: int,
+                       layer: int) -> None:
+        if self.learning is None or now_ms < self.next_publish or len(self.made) <= self.stale:
+            return
+        self.next_publish = now_ms + self.interval
+        while len(self.made) > self.stale + 1:
+            self.made.popleft()
+        core.set_estimate(self.made[0])
+        self.published += 1
+
+    def after_request(self, core: CacheManagerCore, now_ms: float, token: int, layer: int,
+                      experts: list[int]) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.after_request(core, SIM_WORKER, layer, experts,
+                                          self.stream.input_token[token])
+
+    def after_token(self, token: int, now_ms: float) -> None:
+        if self.learning is None:
+            return
+        S = self.learning.on_token(self.stream, self.trace, token)
+        if S is not None:
+            self.made.append(S)
+        else:
+            self.made.clear()  # a sequence ended: nothing to say about a token not yet known
+
+
+def warmup(trace: Trace, config: FlashMoEConfig, out: str | Path, progress=None) -> dict:
+    """Pre-train the extractor and the predictor on ``trace`` (stream order, as they learn
+    live) and write the checkpoint; returns its summary."""
+    learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k, config)
+    stream = TokenStream.of(trace)
+    started = time.perf_counter()
+    for t in range(trace.n_tokens):
+        learning.on_token(stream, trace, t)
+        if progress is not None:
+            progress(1)
+    learning.learner.set_anchor()
+    summary = {"trace": trace.name, "tokens": trace.n_tokens,
+               "wall_s": round(time.perf_counter() - started, 1),
+               "cpu_ms_per_token": round(learning.cpu_ms_per_token(), 3),
+               "variance_kept": learning.extractor.pca.variance_kept,
+               "drifts": len(learning.learner.drifts)}
+    learning.save(out, {"warmup": summary})
+    return summary

@@ -1,0 +1,74 @@
+"""FlashMoE: evict the expert that the learned predictor expects to need last.
+
+    score(c) = d(layer_c, l) + S[var][c]      evict the largest (ties: LRU); see scored.py
+
+S comes from the predictor (services/predictor: next-use distance of every expert, as a
+bucket distribution, turned into layer steps), delivered with ``set_estimate`` about every
+``predictor.publish_interval_ms``. Without an estimate, or with one older than the cache
+manager's ``predictor.max_age_ms`` (it calls ``set_estimate(None)``), the policy falls back to
+LRU and says so (``fallback``).
+
+``hybrid_share`` > 0 selects the seed's hybrid instead: the best-scored share of the residents
+is kept, the rest is evicted in LRU order (an ablation; evicting by the score alone measures
+better on the dev split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import PolicyError
+from .scored import TIE_SCALE, ScoredPolicy
+
+
+@dataclass(frozen=True)
+class FlashMoEParams:
+    hybrid_share: float = 0.0  # 0: by score alone; else the share kept by score, LRU for the rest
+
+    def check(self) -> None:
+        if not 0.0 <= self.hybrid_share < 1.0:
+            raise PolicyError(f"flashmoe: hybrid_share {self.hybrid_share} must be in [0, 1)")
+
+
+class FlashMoEPolicy(ScoredPolicy):
+    name = "flashmoe"
+    Params = FlashMoEParams
+    accepts_estimates = True
+
+    def configure(self, layers: list[int], num_experts: int) -> None:
+        super().configure(layers, num_experts)
+        self.fallback = True  # no estimate yet
+        self.estimates = 0  # estimates received
+
+    def set_estimate(self, S: np.ndarray | None, layers: list[int] | None = None) -> None:
+        """S (3, len(layers) * E): row block i belongs to layer ``layers[i]`` (default: the
+        policy's layers in order). None: no usable estimate, LRU until the next one."""
+        self._ranked = None
+        if S is None:
+            self.fallback = True
+            return
+        layers = self.layers if layers is None else layers
+        E = self.num_experts
+        if S.shape != (3, len(layers) * E):
+            raise ValueError(f"flashmoe: an estimate of shape {S.shape}, expected "
+                             f"{(3, len(layers) * E)}")
+        for i, layer in enumerate(layers):
+            self.S[:, layer * E:(layer + 1) * E] = S[:, i * E:(i + 1) * E]
+        self.fallback = False
+        self.estimates += 1
+
+    def _rank(self, count: int) -> list[int]:
+        if self.fallback:
+            idx = np.flatnonzero(self.resident)
+            order = np.argsort(self.last_use[idx], kind="stable")[:count]
+            return idx[order].tolist()
+        share = self.params.hybrid_share
+        if not share:
+            return super()._rank(count)
+        idx = np.flatnonzero(self.resident)
+        score = self.scores()[idx] * TIE_SCALE - self.last_use[idx]
+        kept = int(share * len(idx))
+        exposed = idx[np.argsort(score, kind="stable")[kept:]]  # the lowest scores are kept
+        return exposed[np.argsort(self.last_use[exposed], kind="stable")][:count].tolist()

@@ -1,0 +1,358 @@
+"""The feature extractor's core: locality features of every expert, one refresh per token.
+
+Fed the access stream token by token (``observe``: one token's routing; ``step``: the next
+token's input token and position), it describes every expert (key = layer * E + expert) for
+the token about to run, from the past only:
+
+  temporal   used at t-1 and t-2, router probability at t-1, usage frequency decayed with
+             half-lives of 2, 8 and 64 tokens, recency, last reuse gap and its running mean
+  spatial    the layer's transition from the experts it used at t-1 (learned counts)
+  context    tables keyed by the input token (exact text) and by a SimHash fingerprint of the
+             last three input tokens: how often each expert ran with that context, and in the
+             token that followed it (next one, next four); position in the sequence
+
+Every table estimate is smoothed towards the expert's long-run frequency (``alpha``), so an
+unseen context says "as usual". The per-layer raw vector (the layer's experts x ``RAW``
+features, 256 numbers for 32 experts) is reduced by an online PCA (``OnlinePCA``) that reports
+the variance it keeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+FEATURES = ("u1", "pr1", "f2", "f8", "f64", "rec", "gap", "gapm", "tab", "ctx", "trans", "pos",
+            "nxt", "nx4", "u2")
+RAW = ("u1", "pr1", "f2", "f8", "f64", "rec", "tab", "trans")  # the per-layer raw vector
+LOG_CAP = 10.0
+NEVER = -(10 ** 9)
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
+                                          digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class ExtractorParams:
+    alpha: float = 2.0  # weight of the long-run frequency smoothing every table estimate
+    simhash_bits: int = 12
+    window: tuple[float, ...] = (0.5, 0.7, 1.0)  # SimHash weights of x_{t-2}, x_{t-1}, x_t
+
+
+class FeatureExtractor:
+    """Per-expert features for the next token, from the routing seen so far."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int,
+                 params: ExtractorParams = ExtractorParams()) -> None:
+        self.L, self.E, self.K = num_layers, num_experts, top_k
+        self.N = N = num_layers * num_experts
+        self.params = params
+        self.t = 0  # tokens observed
+        self.decay = {h: 0.5 ** (1.0 / h) for h in (2, 8, 64)}
+        self.ema = {h: np.zeros(N, np.float32) for h in (2, 8, 64)}
+        self.u1 = np.zeros(N, np.float32)
+        self.u2 = np.zeros(N, np.float32)
+        self.pr1 = np.zeros(N, np.float32)
+        self.last = np.full(N, NEVER, np.int64)
+        self.gap = np.full(N, 2.0 ** LOG_CAP, np.float32)
+        self.gapm = np.full(N, 2.0 ** LOG_CAP, np.float32)
+        self.token_row: dict[str, int] = {}
+        rows = 1024
+        self.tab_c = np.zeros((rows, N), np.float32)  # input token -> this token's routing
+        self.tab_n = np.zeros(rows, np.float32)
+        self.nxt_c = np.zeros((rows, N), np.float32)  # input token -> the next token's routing
+        self.nxt_n = np.zeros(rows, np.float32)
+        self.nx4_c = np.zeros((rows, N), np.float32)  # ... the next four tokens' (mean)
+        self.nx4_n = np.zeros(rows, np.float32)
+        bits = params.simhash_bits
+        self.ctx_c = np.zeros((1 << bits, N), np.float32)
+        self.ctx_n = np.zeros(1 << bits, np.float32)
+        self._bits_of: dict[str, np.ndarray] = {}
+        self._powers = (1 << np.arange(bits)).astype(np.int64)
+        self.tr_c = np.zeros((num_layers, num_experts, num_experts), np.float32)
+        self.tr_n = np.zeros((num_layers, num_experts), np.float32)
+        self.prev_experts: np.ndarray | None = None
+        self.history: list[str] = []  # input tokens of this sequence (the SimHash window)
+        self.rows_history: list[int] = []  # table rows of its last four input tokens
+        self.row = -1
+        self.ctx = -1
+        self.position = 0
+        self.stepped = False  # step() was called for the token observe() will record
+        self._layer_index = np.arange(num_layers)
+
+    # --- context tables ----------------------------------------------------------------------
+
+    def _token_bits(self, token: str) -> np.ndarray:
+        bits = self._bits_of.get(token)
+        if bits is None:
+            h = _hash64(token)
+            bits = np.array([1.0 if (h >> i) & 1 else -1.0
+                             for i in range(self.params.simhash_bits)], np.float32)
+            self._bits_of[token] = bits
+        return bits
+
+    def fingerprint(self, tokens: list[str]) -> int:
+        """SimHash of the recent input tokens (weighted, the newest heaviest)."""
+        acc = np.zeros(self.params.simhash_bits, np.float32)
+        for weight, token in zip(self.params.window[-len(tokens):], tokens):
+            acc += weight * self._token_bits(token)
+        return int(self._powers[acc > 0].sum())
+
+    def _row_of(self, token: str) -> int:
+        row = self.token_row.get(token)
+        if row is None:
+            row = len(self.token_row)
+            if row >= len(self.tab_n):
+                for name in ("tab_c", "tab_n", "nxt_c", "nxt_n", "nx4_c", "nx4_n"):
+                    table = getattr(self, name)
+                    setattr(self, name, np.concatenate([table, np.zeros_like(table)]))
+            self.token_row[token] = row
+        return row
+
+    # --- the stream ----------------------------------------------------------------------------
+
+    def step(self, token: str, position: int) -> np.ndarray:
+        """Features (N, len(FEATURES)) of the token about to run: its input ``token``, its
+        ``position`` in the sequence (0 starts a new sequence)."""
+        if position == 0:
+            self.history, self.rows_history = [], []
+        self.history = (self.history + [token])[-len(self.params.window):]
+        self.position = position
+        a = self.params.alpha
+        prior = self.ema[64]
+        X = np.empty((self.N, len(FEATURES)), np.float32)
+        X[:, 0] = self.u1
+        X[:, 1] = self.pr1
+        X[:, 2] = self.ema[2]
+        X[:, 3] = self.ema[8]
+        X[:, 4] = prior
+        since = np.maximum(self.t - self.last, 1).astype(np.float32)
+        X[:, 5] = np.minimum(np.log2(since), LOG_CAP) / LOG_CAP
+        X[:, 6] = np.minimum(np.log2(1 + self.gap), LOG_CAP) / LOG_CAP
+        X[:, 7] = np.minimum(np.log2(1 + self.gapm), LOG_CAP) / LOG_CAP
+        row = self.row = self._row_of(token)
+        X[:, 8] = (self.tab_c[row] + a * prior) / (self.tab_n[row] + a)
+        ctx = self.ctx = self.fingerprint(self.history)
+        X[:, 9] = (self.ctx_c[ctx] + a * prior) / (self.ctx_n[ctx] + a)
+        if self.prev_experts is not None:
+            rows = self._layer_index[:, None]
+            counts = self.tr_c[rows, self.prev_experts]  # (L, K, E)
+            seen = self.tr_n[rows, self.prev_experts][..., None]
+            smoothed = (counts + a * prior.reshape(self.L, 1, self.E)) / (seen + a)
+            X[:, 10] = smoothed.mean(1).reshape(self.N)
+        else:
+            X[:, 10] = prior
+        X[:, 11] = min(np.log2(1 + position), LOG_CAP) / LOG_CAP
+        X[:, 12] = (self.nxt_c[row] + a * prior) / (self.nxt_n[row] + a)
+        X[:, 13] = (self.nx4_c[row] + a * prior) / (self.nx4_n[row] + a)
+        X[:, 14] = self.u2
+        self.stepped = True
+        return X
+
+    def observe(self, experts: np.ndarray, probs: np.ndarray | None = None) -> None:
+        """The routing of the token just stepped: ``experts`` (L, K) ids, ``probs`` (L, K)."""
+        if not self.stepped:
+            raise RuntimeError("observe() needs step() for the same token first")
+        self.stepped = False
+        E, K = self.E, self.K
+        experts = np.asarray(experts, np.int64)
+        keys = (experts + (self._layer_index * E)[:, None]).reshape(-1)
+        used = np.zeros(self.N, np.float32)
+        used[keys] = 1.0
+        for h, lam in self.decay.items():
+            ema = self.ema[h]
+            ema *= lam
+            ema += (1 - lam) * used
+        self.u2, self.u1 = self.u1, used
+        self.pr1 = np.zeros(self.N, np.float32)
+        if probs is not None and len(probs):
+            self.pr1[keys] = np.asarray(probs, np.float32).reshape(-1)
+        seen_before = self.last[keys] > NEVER
+        gaps = (self.t - self.last[keys]).astype(np.float32)
+        again = keys[seen_before]
+        self.gap[again] = gaps[seen_before]
+        first = self.gapm[again] >= 2.0 ** LOG_CAP
+        self.gapm[again] = np.where(first, gaps[seen_before],
+                                    0.75 * self.gapm[again] + 0.25 * gaps[seen_before])
+        self.last[keys] = self.t
+        row, ctx = self.row, self.ctx
+        self.tab_c[row, keys] += 1
+        self.tab_n[row] += 1
+        self.ctx_c[ctx, keys] += 1
+        self.ctx_n[ctx] += 1
+        if self.rows_history:  # this token's routing followed the previous input tokens
+            before = self.rows_history[-1]
+            self.nxt_c[before, keys] += 1
+            self.nxt_n[before] += 1
+            for before in self.rows_history[-4:]:
+                self.nx4_c[before, keys] += 0.25
+                self.nx4_n[before] += 0.25
+        self.rows_history = (self.rows_history + [row])[-4:]
+        if self.prev_experts is not None and self.position > 0:
+            layer = np.repeat(self._layer_index, K * K)
+            src = np.repeat(self.prev_experts, K, axis=1).reshape(-1)
+            dst = np.tile(experts, (1, K)).reshape(-1)
+            np.add.at(self.tr_c, (layer, src, dst), 1.0)
+            np.add.at(self.tr_n, (np.repeat(self._layer_index, K),
+                                  self.prev_experts.reshape(-1)), 1.0)
+        self.prev_experts = experts
+        self.t += 1
+
+    def raw_vectors(self, X: np.ndarray) -> np.ndarray:
+        """The per-layer raw vectors (L, E * len(RAW)) of a feature matrix."""
+        columns = [FEATURES.index(name) for name in RAW]
+        return X[:, columns].reshape(self.L, self.E * len(RAW))
+
+
+class OnlinePCA:
+    """Principal components of the per-layer raw vectors, learned online: an exponentially
+    weighted covariance (``decay`` per token), eigendecomposed every ``every`` tokens; each new
+    basis is rotated onto the previous one (orthogonal Procrustes) so that what the predictor
+    sees changes smoothly. ``components=0`` keeps the centred raw vector."""
+
+    def __init__(self, dim: int, components: int, every: int = 1000,
+                 decay: float = 0.9995) -> None:
+        self.dim, self.k, self.every, self.decay = dim, components, every, decay
+        self.mean = np.zeros(dim)
+        self.cov = np.zeros((dim, dim))
+        self.n = 0
+        self.weight = 0.0
+        self.basis = np.eye(dim, dtype=np.float32)[:components] if components else None
+        self.variance_kept = float("nan")
+
+    @property
+    def out_dim(self) -> int:
+        return self.k or self.dim
+
+    def update(self, vectors: np.ndarray) -> None:
+        """One token's vectors (L, dim)."""
+        self.weight = self.decay * self.weight + 1.0
+        a = 1.0 / self.weight
+        self.mean = (1 - a) * self.mean + a * vectors.mean(0)
+        centred = vectors - self.mean
+        self.cov = (1 - a) * self.cov + a * (centred.T @ centred) / len(vectors)
+        self.n += 1
+        if self.k and (self.n == 200 or self.n % self.every == 0):
+            self.refit()
+
+    def refit(self) -> None:
+        values, vectors = np.linalg.eigh(self.cov)
+        values, vectors = values[::-1], vectors[:, ::-1]
+        self.variance_kept = float(values[:self.k].sum() / max(values.sum(), 1e-12))
+        basis = vectors[:, :self.k].T
+        if self.n > 200:
+            u, _, wt = np.linalg.svd(self.basis @ basis.T)
+            basis = (u @ wt) @ basis
+        self.basis = basis.astype(np.float32)
+
+    def project(self, vectors: np.ndarray) -> np.ndarray:
+        centred = (vectors - self.mean).astype(np.float32)
+        return centred @ self.basis.T if self.k else centred
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"mean": self.mean, "cov": self.cov,
+                "basis": self.basis if self.basis is not None else np.zeros(0, np.float32),
+                "counters": np.array([self.n, self.weight, self.variance_kept])}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        self.mean, self.cov = state["mean"], state["cov"]
+        if self.k:
+            self.basis = state["basis"].astype(np.float32)
+        n, self.weight, self.variance_kept = state["counters"].tolist()
+        self.n = int(n)
+
+
+class ExtractorCore:
+    """The extractor as the access stream drives it: one ``AccessEvent`` (token t's routing,
+    its input token and the token it produced) in, the features of token t + 1 out."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, pca_components: int = 128,
+                 params: ExtractorParams = ExtractorParams()) -> None:
+        self.features = FeatureExtractor(num_layers, num_experts, top_k, params)
+        self.pca = OnlinePCA(num_experts * len(RAW), pca_components)
+        self._expect: tuple[int, int] | None = None  # (sequence, position) stepped last
+
+    def on_event(self, sequence: int, position: int, input_token: str, next_token: str,
+                 experts, probs) -> tuple[np.ndarray, np.ndarray] | None:
+        """Record token t; returns (X, z) for token t + 1: per-expert features (N, F) and the
+        reduced per-layer vectors (L, dims); None at the end of a sequence."""
+        fx = self.features
+        if self._expect != (sequence, position):  # a new sequence, or events were lost
+            fx.step(input_token, position)
+        fx.observe(np.asarray(experts, np.int64), probs)
+        if not next_token:
+            self._expect = None
+            return None
+        X = fx.step(next_token, position + 1)
+        self._expect = (sequence, position + 1)
+        raw = fx.raw_vectors(X)
+        z = self.pca.project(raw)
+        self.pca.update(raw)
+        return X, z
+
+
+# --- checkpoints (safetensors + JSON; no pickle) ------------------------------------------------
+
+_TABLES = ("ema2", "ema8", "ema64", "u1", "u2", "pr1", "last", "gap", "gapm", "tab_c", "tab_n",
+           "nxt_c", "nxt_n", "nx4_c", "nx4_n", "ctx_c", "ctx_n", "tr_c", "tr_n")
+
+
+def extractor_state(core: ExtractorCore) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays, JSON-able meta) of an extractor: what it learned, not where a stream is."""
+    fx = core.features
+    arrays = {f"fx.{name}": getattr(fx, name) for name in _TABLES if not name.startswith("ema")}
+    arrays.update({f"fx.ema{h}": fx.ema[h] for h in fx.ema})
+    rows = len(fx.token_row)
+    for name in ("tab_c", "tab_n", "nxt_c", "nxt_n", "nx4_c", "nx4_n"):
+        arrays[f"fx.{name}"] = arrays[f"fx.{name}"][:rows]
+    arrays.update({f"pca.{k}": v for k, v in core.pca.state().items()})
+    meta = {"L": fx.L, "E": fx.E, "K": fx.K, "tokens": fx.t, "params": fx.params.__dict__,
+            "token_rows": list(fx.token_row), "pca_components": core.pca.k}
+    return arrays, meta
+
+
+def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    fx = core.features
+    if (meta["L"], meta["E"]) != (fx.L, fx.E) or meta["pca_components"] != core.pca.k:
+        raise ValueError(f"an extractor checkpoint of {meta['L']} layers x {meta['E']} experts "
+                         f"and {meta['pca_components']} components does not fit {fx.L} x "
+                         f"{fx.E} and {core.pca.k}")
+    fx.token_row = {token: i for i, token in enumerate(meta["token_rows"])}
+    for name in _TABLES:
+        if name.startswith("ema"):
+            fx.ema[int(name[3:])] = arrays[f"fx.{name}"].copy()
+            continue
+        value = arrays[f"fx.{name}"].copy()
+        if name in ("tab_c", "tab_n", "nxt_c", "nxt_n", "nx4_c", "nx4_n"):
+            grown = np.zeros((max(1024, 2 * len(value)),) + value.shape[1:], value.dtype)
+            grown[:len(value)] = value
+            value = grown
+        setattr(fx, name, value)
+    fx.t = int(meta["tokens"])
+    core.pca.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("pca.")})
+
+
+def save_checkpoint(core: ExtractorCore, folder: str | Path) -> None:
+    """``extractor.safetensors`` + ``extractor.json`` in ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays, meta = extractor_state(core)
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()},
+              str(folder / "extractor.safetensors"))
+    (folder / "extractor.json").write_text(json.dumps(meta))
+
+
+def load_checkpoint(core: ExtractorCore, folder: str | Path) -> dict:
+    """Load what ``save_checkpoint`` wrote; returns its JSON (FileNotFoundError, ValueError
+    or KeyError when it is missing or does not fit)."""
+    folder = Path(folder)
+    meta = json.loads((folder / "extractor.json").read_text())
+    load_extractor_state(core, load_file(str(folder / "extractor.safetensors")), meta)
+    return meta

@@ -1,0 +1,94 @@
+"""The feature extractor process: AccessEvents in (SUB, from the workers), FeatureBatches out
+(PUB, to the predictor), one per token, sequence-numbered.
+
+Every event is counted by its source's sequence numbers (lost ones in ``n_gap``); a malformed
+or wrong-version message is counted and dropped. The core's tables can start from a warm-up
+checkpoint (``--warmup``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import zmq
+
+from common.bus import Publisher, SeqGaps, Subscriber
+from common.config import FlashMoEConfig
+from common.protocol import AccessEvent, FeatureBatch, LearningMessage
+from common.service import Service, run_service_process
+from common.store import ExpertStore
+
+from .core import FEATURES, ExtractorCore, load_checkpoint
+
+
+class FeatureExtractorService(Service):
+    name = "feature_extractor"
+
+    def __init__(self, config: FlashMoEConfig, events: list[str], publish: str,
+                 control_endpoint: str, warmup: str | None = None) -> None:
+        super().__init__(config, control_endpoint)
+        manifest = ExpertStore.open(config.store.path).manifest
+        self.layers = len(manifest.moe_layers)
+        self.core = ExtractorCore(self.layers, manifest.num_experts, manifest.top_k,
+                                  config.features.pca_components)
+        if warmup:
+            meta = load_checkpoint(self.core, warmup)
+            self.log.info("tables from the warm-up checkpoint %s (%d tokens)", warmup,
+                          meta["tokens"])
+        self.receive = Subscriber(self.ctx, config, events, LearningMessage, self.counters,
+                                  "feature extractor")
+        self.publisher = Publisher(self.ctx, config, publish)
+        self.gaps = SeqGaps(self.counters)
+        self.epoch = time.time_ns()
+        self.seq = 0
+        self.cpu_s = 0.0
+        self.counters.update(events=0, batches=0, n_gap=0, n_out_of_order=0,
+                             rejected_unexpected=0)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.receive.socket]
+
+    def close_sockets(self) -> None:
+        self.receive.close()
+        self.publisher.close()
+
+    def on_readable(self, sock: zmq.Socket) -> None:
+        for message in self.receive.drain():
+            if not isinstance(message, AccessEvent):
+                self.counters["rejected_unexpected"] += 1
+                continue
+            self.handle_event(message)
+
+    def handle_event(self, event: AccessEvent) -> None:
+        self.counters["events"] += 1
+        self.gaps.observe(event.source, event.seq, event.epoch)
+        if len(event.experts) != self.layers:
+            self.counters["rejected_shape"] += 1
+            return
+        started = time.process_time()
+        out = self.core.on_event(event.sequence, event.position, event.input_token,
+                                 event.next_token, event.experts, event.probs)
+        self.cpu_s += time.process_time() - started
+        if out is None:
+            return
+        X, z = out
+        self.publisher.publish(FeatureBatch(
+            self.name, self.epoch, self.seq, event.seq, event.source, event.position + 1,
+            event.experts, self.layers, self.core.features.E, z.astype(np.float32).tobytes(),
+            z.shape[1], X.astype(np.float16).tobytes(), len(FEATURES),
+            float(self.core.pca.variance_kept)))
+        self.seq += 1
+        self.counters["batches"] += 1
+
+    def stats(self) -> dict:
+        events = max(self.counters["events"], 1)
+        return {**super().stats(), "variance_kept": float(self.core.pca.variance_kept),
+                "cpu_ms_per_event": round(1e3 * self.cpu_s / events, 3),
+                "tokens_seen": self.core.features.t}
+
+
+def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], publish: str,
+                                  control_endpoint: str, warmup: str | None = None) -> int:
+    return run_service_process(lambda: FeatureExtractorService(config, events, publish,
+                                                               control_endpoint, warmup))

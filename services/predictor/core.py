@@ -1,0 +1,298 @@
+"""The predictor's core: the online learner (no sockets, no clocks).
+
+Per token: ``predict(x, z)`` steps the network on the token's features and returns the
+eviction estimate S (3, N) for it; ``observe(keys)`` then records which experts that token
+used. Every ``train_every`` tokens it trains on the last ``window`` tokens (truncated
+backpropagation through time from the LSTM state stored at the window's start); a label is the
+bucket of the distance to the expert's next use inside the window, or "beyond the window's end"
+(censored: every bucket past it is allowed).
+
+Against forgetting, EWC (elastic weight consolidation): a penalty ``ewc_strength`` x
+sum F (theta - theta*)^2, F a running diagonal Fisher estimate (squared gradients, normalised
+to mean 1), theta* the weights at the last anchor (the end of a warm-up, or of an elastic
+update). A Page-Hinkley detector on the per-token loss of "used in this token" flags drift
+(a task switch); it starts an elastic update: ``elastic_tokens`` tokens at ``elastic_lr`` times
+the learning rate, the EWC penalty weighted by ``ewc_lambda``, then a new anchor. Inference
+can run on an INT8 dynamically quantized copy (``int8``), refreshed after each training step.
+
+Checkpoints are safetensors (weights, optimiser-free) plus a JSON of hyper-parameters and
+counters; never pickle.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from .model import BUCKETS, Net, bucket_of, estimates
+
+CENSORED = 10 ** 9
+
+
+@dataclass(frozen=True)
+class LearnerParams:
+    model: str = "lstm"  # lstm | linear
+    hidden: int = 64
+    lstm_layers: int = 2
+    window: int = 32  # tokens of the training window
+    train_every: int = 16  # tokens between training steps
+    lr: float = 2e-3
+    lr_fast: float = 1e-2  # per-key bias and skip weights
+    weight_b: float = 0.25  # weight of head B's loss
+    ewc_strength: float = 0.0
+    ewc_lambda: float = 0.5  # weight of the EWC penalty during an elastic update
+    fisher_decay: float = 0.99
+    drift: bool = True
+    drift_delta: float = 0.005
+    drift_threshold: float = 2.0  # Page-Hinkley lambda
+    elastic_tokens: int = 500
+    elastic_lr: float = 3.0
+    int8: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> "LearnerParams":
+        """From the ``predictor`` section of a FlashMoEConfig."""
+        p = config.predictor
+        return cls(model=p.model, hidden=p.lstm_hidden, window=p.window_tokens,
+                   train_every=p.train_every_tokens, ewc_strength=p.ewc_strength,
+                   ewc_lambda=p.ewc_lambda, drift=p.drift, drift_threshold=p.drift_threshold,
+                   int8=p.int8)
+
+
+class PageHinkley:
+    """Page-Hinkley test for an upward shift of a stream's mean."""
+
+    def __init__(self, delta: float, threshold: float) -> None:
+        self.delta, self.threshold = delta, threshold
+        self.reset()
+
+    def reset(self) -> None:
+        self.mean, self.n, self.cum, self.min = 0.0, 0, 0.0, 0.0
+
+    def update(self, value: float) -> bool:
+        self.n += 1
+        self.mean += (value - self.mean) / self.n
+        self.cum += value - self.mean - self.delta
+        self.min = min(self.min, self.cum)
+        if self.cum - self.min > self.threshold:
+            self.reset()
+            return True
+        return False
+
+
+def allowed_buckets(distance: np.ndarray, censored: np.ndarray) -> np.ndarray:
+    """Mask (..., BUCKETS): the bucket of an exact distance; for a censored one (the next use
+    lies beyond ``distance``) every bucket that reaches past it."""
+    b = bucket_of(np.where(censored, distance + 1, distance))
+    buckets = np.arange(BUCKETS)
+    return np.where(censored[..., None], buckets >= b[..., None], buckets == b[..., None])
+
+
+def window_labels(used: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Labels of the first ``w`` of the ``len(used)`` last tokens (oldest first; ``used`` is
+    (n, N) bool). Returns head A's and head B's allowed-bucket masks (w, N, BUCKETS) and
+    head B's weights (w, N): B is trained on experts used at the step, where anything is
+    known after it."""
+    n, N = used.shape
+    nxt = np.full(N, CENSORED, np.int64)
+    for j in range(n - 1, w - 1, -1):
+        nxt[used[j]] = j
+    dist_a = np.empty((w, N), np.int64)
+    dist_b = np.empty((w, N), np.int64)
+    for j in range(w - 1, -1, -1):
+        dist_b[j] = nxt - j  # from j + 1 to the first use after j (1 = used at j + 1)
+        nxt[used[j]] = j
+        dist_a[j] = nxt - j + 1
+    steps = np.arange(w)[:, None]
+    cens_a = dist_a > CENSORED // 2
+    dist_a = np.where(cens_a, n - steps, dist_a)
+    cens_b = dist_b > CENSORED // 2
+    dist_b = np.where(cens_b, n - 1 - steps, dist_b)
+    mask_a = allowed_buckets(dist_a, cens_a)
+    mask_b = allowed_buckets(np.maximum(dist_b, 1), cens_b & (dist_b > 0))
+    weight_b = used[:w] & ~(cens_b & (dist_b <= 0))
+    return mask_a, mask_b, weight_b
+
+
+class Learner:
+    def __init__(self, num_layers: int, num_experts: int, dims: int, features: int,
+                 params: LearnerParams = LearnerParams()) -> None:
+        self.L, self.E, self.N = num_layers, num_experts, num_layers * num_experts
+        self.dims, self.features = dims, features
+        self.params = params
+        torch.manual_seed(params.seed)
+        self.net = Net(num_layers, num_experts, dims, features, params.model, params.hidden,
+                       params.lstm_layers)
+        self.opt = torch.optim.Adam([
+            {"params": self.net.fast_parameters(), "lr": params.lr_fast},
+            {"params": self.net.slow_parameters(), "lr": params.lr}])
+        self.base_lr = [group["lr"] for group in self.opt.param_groups]
+        self.W = params.window
+        self.zbuf = np.zeros((self.W, num_layers, dims), np.float32)
+        self.xbuf = np.zeros((self.W, self.N, features), np.float32)
+        self.used = np.zeros((self.W, self.N), bool)
+        self.states: list = [None] * self.W  # LSTM state before each buffered step
+        self.state = None
+        self.t = 0  # tokens observed
+        self.steps = 0  # training steps taken (the model version)
+        self.infer_net: nn.Module = self.net
+        self.fisher_raw: list[torch.Tensor] | None = None
+        self.fisher: list[torch.Tensor] | None = None
+        self.anchor: list[torch.Tensor] | None = None
+        self.drift = PageHinkley(params.drift_delta, params.drift_threshold) \
+            if params.drift else None
+        self.elastic_until = -1
+        self.drifts: list[int] = []
+        self.last_p_used: np.ndarray | None = None
+        self.cpu_s = {"infer": 0.0, "train": 0.0, "quantize": 0.0}
+        self.losses: list[float] = []
+
+    # --- inference ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def predict(self, x: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Features of the coming token: x (N, features), z (L, dims) -> S (3, N)."""
+        started = time.process_time()
+        i = self.t % self.W
+        self.zbuf[i], self.xbuf[i], self.states[i] = z, x, self.state
+        logits, self.state = self.infer_net(torch.from_numpy(z)[None],
+                                            torch.from_numpy(np.ascontiguousarray(x))[None],
+                                            self.state)
+        P = torch.softmax(logits[0], -1).numpy()
+        self.last_p_used = P[:, 0, 0]
+        S = estimates(P[:, 0], P[:, 1], self.L)
+        self.cpu_s["infer"] += time.process_time() - started
+        return S
+
+    # --- learning -----------------------------------------------------------------------------
+
+    def observe(self, keys: np.ndarray) -> None:
+        """The keys the predicted token used; trains every ``train_every`` tokens."""
+        i = self.t % self.W
+        self.used[i] = False
+        self.used[i, keys] = True
+        if self.drift is not None and self.last_p_used is not None:
+            p = np.clip(self.last_p_used, 1e-4, 1 - 1e-4)
+            loss = -float(np.mean(np.where(self.used[i], np.log(p), np.log(1 - p))))
+            if self.drift.update(loss) and self.t > self.elastic_until:
+                self.drifts.append(self.t)
+                self.elastic_until = self.t + self.params.elastic_tokens
+        self.t += 1
+        if self.t % self.params.train_every == 0 and self.t >= 2:
+            started = time.process_time()
+            self.train_step()
+            self.cpu_s["train"] += time.process_time() - started
+            if self.params.int8:
+                started = time.process_time()
+                self.quantize()
+                self.cpu_s["quantize"] += time.process_time() - started
+        if self.t == self.elastic_until:
+            self.set_anchor()
+
+    def train_step(self) -> None:
+        n = min(self.W, self.t)
+        idx = [(self.t - n + j) % self.W for j in range(n)]
+        mask_a, mask_b, weight_b = window_labels(self.used[idx], n)
+        z = torch.from_numpy(self.zbuf[idx])
+        x = torch.from_numpy(self.xbuf[idx])
+        logits, _ = self.net(z, x, self.states[idx[0]])
+        lse = torch.logsumexp(logits, -1)
+        never = torch.tensor(-1e9)
+        loss_a = lse[:, :, 0] - torch.logsumexp(
+            torch.where(torch.from_numpy(mask_a), logits[:, :, 0], never), -1)
+        loss_b = lse[:, :, 1] - torch.logsumexp(
+            torch.where(torch.from_numpy(mask_b), logits[:, :, 1], never), -1)
+        wb = torch.from_numpy(weight_b)
+        loss = loss_a.mean() + (loss_b * wb).sum() / wb.sum().clamp(min=1) * self.params.weight_b
+        self.losses.append(float(loss_a.mean().detach()))
+        elastic = self.t < self.elastic_until
+        if self.anchor is not None:
+            weight = self.params.ewc_lambda if elastic else self.params.ewc_strength
+            if weight:
+                penalty = sum((f * (p - a) ** 2).sum() for p, f, a in
+                              zip(self.net.parameters(), self.fisher, self.anchor))
+                loss = loss + weight * penalty
+        self.opt.zero_grad()
+        loss.backward()
+        self._update_fisher()
+        scale = self.params.elastic_lr if elastic else 1.0
+        for group, lr in zip(self.opt.param_groups, self.base_lr):
+            group["lr"] = lr * scale
+        self.opt.step()
+        self.steps += 1
+
+    def _update_fisher(self) -> None:
+        d = self.params.fisher_decay
+        if self.fisher_raw is None:
+            self.fisher_raw = [torch.zeros_like(p) for p in self.net.parameters()]
+        for f, p in zip(self.fisher_raw, self.net.parameters()):
+            if p.grad is not None:
+                f.mul_(d).add_((1 - d) * p.grad.detach() ** 2)
+
+    def set_anchor(self) -> None:
+        """EWC anchor: theta* = the current weights, F = the Fisher estimate / its mean."""
+        if self.fisher_raw is None:
+            return
+        total = sum(float(f.sum()) for f in self.fisher_raw)
+        count = sum(f.numel() for f in self.fisher_raw)
+        mean = max(total / count, 1e-20)
+        self.fisher = [f / mean for f in self.fisher_raw]
+        self.anchor = [p.detach().clone() for p in self.net.parameters()]
+
+    def quantize(self) -> None:
+        self.infer_net = torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(self.net), {nn.LSTM, nn.Linear}, dtype=torch.qint8)
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save(self, folder: str | Path, extra: dict | None = None) -> None:
+        """Weights (and the EWC anchor and Fisher) as safetensors, the rest as JSON."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"net.{k}": v.detach().contiguous() for k, v in self.net.state_dict().items()}
+        if self.anchor is not None:
+            names = [n for n, _ in self.net.named_parameters()]
+            tensors.update({f"anchor.{n}": a.contiguous() for n, a in zip(names, self.anchor)})
+            tensors.update({f"fisher.{n}": f.contiguous() for n, f in zip(names, self.fisher)})
+        tmp = folder / "predictor.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.replace(folder / "predictor.safetensors")
+        meta = {"params": asdict(self.params), "L": self.L, "E": self.E, "dims": self.dims,
+                "features": self.features, "tokens": self.t, "steps": self.steps,
+                "drifts": len(self.drifts), **(extra or {})}
+        (folder / "predictor.json").write_text(json.dumps(meta, indent=1))
+
+    def load(self, folder: str | Path) -> dict:
+        """Weights from a checkpoint of the same shape; returns its JSON."""
+        folder = Path(folder)
+        meta = json.loads((folder / "predictor.json").read_text())
+        shape = (meta["L"], meta["E"], meta["dims"], meta["features"])
+        if shape != (self.L, self.E, self.dims, self.features):
+            raise ValueError(f"{folder}: checkpoint of shape (layers, experts, dims, features) "
+                             f"{shape}, this predictor is {(self.L, self.E, self.dims, self.features)}")
+        if meta["params"]["model"] != self.params.model or \
+                meta["params"]["hidden"] != self.params.hidden:
+            raise ValueError(f"{folder}: checkpoint of a {meta['params']['model']} model with "
+                             f"hidden {meta['params']['hidden']}, this predictor is "
+                             f"{self.params.model} with hidden {self.params.hidden}")
+        tensors = load_file(str(folder / "predictor.safetensors"))
+        self.net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("net.")})
+        names = [n for n, _ in self.net.named_parameters()]
+        if f"anchor.{names[0]}" in tensors:
+            self.anchor = [tensors[f"anchor.{n}"] for n in names]
+            self.fisher = [tensors[f"fisher.{n}"] for n in names]
+            self.fisher_raw = [f.clone() for f in self.fisher]
+        self.steps = int(meta.get("steps", 0))
+        self.infer_net = self.net
+        if self.params.int8:
+            self.quantize()
+        return meta

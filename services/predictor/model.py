@@ -1,0 +1,81 @@
+"""The predictor's model: when is each expert needed next (Belady's question), as a
+distribution over next-use-distance buckets, and the eviction estimate made from it.
+
+Buckets of the distance in tokens from the token being predicted to the expert's next use
+(1 = used in that token): 1, 2, 3-4, 5-8, ..., 129-256, more than 256.
+
+The network, one step per token with the layers as the batch:
+    h_l    = LSTM(z_l)            z_l: layer l's reduced feature vector (online PCA)
+    logits = head_l(h_l)[expert] + x_k W_skip + bias_k     for every key k = (l, expert)
+two heads of ``BUCKETS`` logits per key: A, the distance from this token; B, the distance
+from the next token for an expert used in this one. ``core="linear"`` drops the LSTM (h = z):
+the same inputs and heads, for the ablation.
+
+The estimate (policies/scored.py): S = L * (D - 1), D the harmonic mean of the distance
+(1 / E[1/dist] over the buckets' representative distances), in three variants: var 0 from
+head A; var 1, an expert whose layer this token visited without using it: head A given
+distance >= 2, shifted by one token; var 2, an expert used in this token: head B.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+EDGES = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256], np.int64)  # bucket b: (EDGES[b-1], EDGES[b]]
+BUCKETS = len(EDGES) + 1
+REPS = np.array([1, 2, 3.5, 6.5, 12.5, 24.5, 48.5, 96.5, 192.5, 512.0], np.float32)
+INV = (1.0 / REPS).astype(np.float32)
+INV_SHIFTED = (1.0 / (REPS[1:] - 1.0)).astype(np.float32)
+HEADS = 2
+
+
+def bucket_of(distance: np.ndarray) -> np.ndarray:
+    return np.searchsorted(EDGES, distance, side="left").astype(np.int64)
+
+
+def estimates(PA: np.ndarray, PB: np.ndarray, num_layers: int) -> np.ndarray:
+    """(3, N) S arrays from bucket probabilities PA, PB of shape (N, BUCKETS)."""
+    d0 = 1.0 / (PA @ INV)
+    tail = PA[:, 1:]
+    d1 = 1.0 / ((tail @ INV_SHIFTED) / np.maximum(tail.sum(-1), 1e-9))
+    d2 = 1.0 / (PB @ INV)
+    return (num_layers * (np.stack([d0, d1, d2]) - 1.0)).astype(np.float32)
+
+
+class Net(nn.Module):
+    def __init__(self, num_layers: int, num_experts: int, dims: int, features: int,
+                 core: str = "lstm", hidden: int = 64, lstm_layers: int = 2) -> None:
+        super().__init__()
+        if core not in ("lstm", "linear"):
+            raise ValueError(f"predictor core must be lstm or linear, got {core!r}")
+        self.L, self.E, self.core = num_layers, num_experts, core
+        out = num_experts * HEADS * BUCKETS
+        if core == "lstm":
+            self.lstm = nn.LSTM(dims, hidden, lstm_layers)
+            width = hidden
+        else:
+            self.lstm = None
+            width = dims
+        self.head = nn.Parameter(torch.zeros(num_layers, width, out))
+        self.skip = nn.Parameter(torch.zeros(features, HEADS * BUCKETS))
+        self.bias = nn.Parameter(torch.zeros(num_layers * num_experts, HEADS * BUCKETS))
+
+    def fast_parameters(self) -> list[nn.Parameter]:
+        """The per-key bias and the skip weights (a higher learning rate)."""
+        return [self.skip, self.bias]
+
+    def slow_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.named_parameters() if name not in ("skip", "bias")]
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor, state=None):
+        """z (T, L, dims), x (T, N, features) -> logits (T, N, HEADS, BUCKETS), LSTM state."""
+        T = x.shape[0]
+        out = x @ self.skip + self.bias
+        h = z
+        if self.lstm is not None:
+            h, state = self.lstm(z, state)
+        o = torch.einsum("tlh,lho->tlo", h, self.head)
+        out = out + o.reshape(T, self.L * self.E, HEADS * BUCKETS)
+        return out.view(T, self.L * self.E, HEADS, BUCKETS), state

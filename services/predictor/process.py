@@ -1,0 +1,144 @@
+"""The predictor process: FeatureBatches in (SUB, from the feature extractor), Predictions
+out (PUB, to the cache manager) every ``predictor.publish_interval_ms``.
+
+One network step per token; the token's routing, carried by the next batch, is its label.
+Training runs in this process, between batches, so the hot path never waits on it. The
+weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
+``CHECKPOINT_EVERY_S`` and at shutdown; a restarted predictor resumes from there (else from
+the warm-up checkpoint, else cold).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from common.bus import Publisher, SeqGaps, Subscriber
+from common.config import FlashMoEConfig
+from common.protocol import FeatureBatch, LearningMessage, Prediction
+from common.service import Service, run_service_process
+from common.store import ExpertStore
+
+from .core import Learner, LearnerParams
+
+CHECKPOINT_EVERY_S = 30.0
+
+
+class PredictorService(Service):
+    name = "predictor"
+
+    def __init__(self, config: FlashMoEConfig, features: list[str], publish: str,
+                 control_endpoint: str, checkpoint_dir: str, warmup: str | None = None) -> None:
+        super().__init__(config, control_endpoint)
+        manifest = ExpertStore.open(config.store.path).manifest
+        self.layers, self.experts = len(manifest.moe_layers), manifest.num_experts
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.learner: Learner | None = None  # made at the first batch (its feature shape)
+        self.warmup = warmup
+        self.receive = Subscriber(self.ctx, config, features, LearningMessage, self.counters,
+                                  "predictor")
+        self.publisher = Publisher(self.ctx, config, publish)
+        self.gaps = SeqGaps(self.counters)
+        self.epoch = time.time_ns()
+        self.seq = 0
+        self.latest: tuple[np.ndarray, int] | None = None  # (S, event seq), not yet published
+        self.pending = False  # a prediction awaits its token's routing
+        self.last_publish = 0.0
+        self.last_checkpoint = time.monotonic()
+        self.resumed_from = ""
+        self.counters.update(batches=0, predictions=0, checkpoints=0, n_gap=0,
+                             n_out_of_order=0, rejected_unexpected=0, rejected_shape=0)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.receive.socket]
+
+    def close_sockets(self) -> None:
+        if self.learner is not None:
+            self.checkpoint()
+        self.receive.close()
+        self.publisher.close()
+
+    def _make_learner(self, dims: int, features: int) -> Learner:
+        learner = Learner(self.layers, self.experts, dims, features,
+                          LearnerParams.from_config(self.config))
+        for source in (self.checkpoint_dir, self.warmup):
+            if source and (Path(source) / "predictor.json").is_file():
+                try:
+                    meta = learner.load(source)
+                except (ValueError, KeyError, OSError) as exc:
+                    self.log.warning("not resuming from %s: %s", source, exc)
+                    continue
+                self.resumed_from = str(source)
+                self.log.info("resumed from %s (%d training steps)", source, meta["steps"])
+                break
+        return learner
+
+    def on_readable(self, sock: zmq.Socket) -> None:
+        for message in self.receive.drain():
+            if not isinstance(message, FeatureBatch):
+                self.counters["rejected_unexpected"] += 1
+                continue
+            self.handle_batch(message)
+
+    def handle_batch(self, batch: FeatureBatch) -> None:
+        self.counters["batches"] += 1
+        missed = self.gaps.observe(batch.source, batch.seq, batch.epoch)
+        N = self.layers * self.experts
+        try:
+            z = np.frombuffer(batch.per_layer, np.float32).reshape(self.layers, batch.dims)
+            x = np.frombuffer(batch.per_expert, np.float16).reshape(N, batch.features)
+            routing = np.asarray(batch.experts, np.int64)
+            if routing.shape[0] != self.layers:
+                raise ValueError(f"{routing.shape[0]} layers of routing")
+        except ValueError as exc:
+            self.counters["rejected_shape"] += 1
+            self.log.warning("dropped a feature batch of the wrong shape: %s", exc)
+            return
+        if self.learner is None:
+            self.learner = self._make_learner(batch.dims, batch.features)
+        if self.pending and not missed:
+            keys = (routing + (np.arange(self.layers) * self.experts)[:, None]).reshape(-1)
+            self.learner.observe(keys)
+        S = self.learner.predict(x.astype(np.float32), z)
+        self.pending = True
+        self.latest = (S, batch.event_seq)
+
+    def on_tick(self, now: float) -> None:
+        interval = self.config.predictor.publish_interval_ms / 1000
+        if self.latest is not None and now - self.last_publish >= interval:
+            S, event_seq = self.latest
+            self.publisher.publish(Prediction(self.name, self.epoch, self.seq, event_seq,
+                                              self.learner.steps, self.layers, self.experts,
+                                              S.shape[0], S.astype(np.float32).tobytes()))
+            self.seq += 1
+            self.counters["predictions"] += 1
+            self.latest = None
+            self.last_publish = now
+        if self.learner is not None and now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        self.learner.save(self.checkpoint_dir)
+        self.last_checkpoint = time.monotonic()
+        self.counters["checkpoints"] += 1
+
+    def stats(self) -> dict:
+        out = {**super().stats(), "resumed_from": self.resumed_from}
+        if self.learner is not None:
+            tokens = max(self.learner.t, 1)
+            out.update(model=self.learner.params.model, tokens=self.learner.t,
+                       steps=self.learner.steps, drifts=len(self.learner.drifts),
+                       **{f"cpu_ms_{k}": round(1e3 * v / tokens, 3)
+                          for k, v in self.learner.cpu_s.items()})
+        return out
+
+
+def run_predictor_process(config: FlashMoEConfig, features: list[str], publish: str,
+                          control_endpoint: str, checkpoint_dir: str,
+                          warmup: str | None = None) -> int:
+    return run_service_process(lambda: PredictorService(config, features, publish,
+                                                        control_endpoint, checkpoint_dir,
+                                                        warmup))
