@@ -228,7 +228,7 @@ def cmd_trace_worker(args) -> int:
     trace = load_trace(args.trace, Path(args.traces_dir))
     config = _config(args) if (args.config or args.set or args.profile) else None
     stats = run_trace_worker(config, args.cache, trace, args.start, args.tokens,
-                             events=args.events)
+                             events=args.events, token_ms=args.token_ms)
     keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read")
     print(json.dumps({k: stats[k] for k in keys}))
     if args.json:
@@ -410,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, help="decode steps to replay (default: all)")
     p.add_argument("--json", metavar="FILE", help="write the cache manager's stats at the end")
     p.add_argument("--events", help="PUB endpoint to bind for the AccessEvents it publishes")
+    p.add_argument("--token-ms", type=float, default=0.0,
+                   help="make each decode step last at least this long (a model's pace)")
     _add_config_flags(p)
     p.set_defaults(func=cmd_trace_worker)
 

@@ -111,16 +111,21 @@ class Launcher:
     def __init__(self, config: FlashMoEConfig, runtime_dir: Path) -> None:
         self.config = config
         self.runtime_dir = runtime_dir
+        runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.children: dict[str, Child] = {}
         self.swept = sweep_stale_arenas()
         self.config_path = runtime_dir / "config.json"
         self.config_path.write_text(json.dumps(config.to_dict(), indent=1))
 
+    def endpoint(self, service: str) -> str:
+        """The main endpoint a service of this launcher binds (known before it starts)."""
+        return ipc_endpoint(self.runtime_dir, service)
+
     def start(self, service: str, command: list[str], ready_timeout_s: float = 60.0,
               env: dict | None = None) -> Child:
         """``command``: the CLI words of the service (``serve-cache STORE``...); endpoint,
         control endpoint and config file are added."""
-        endpoint = ipc_endpoint(self.runtime_dir, service)
+        endpoint = self.endpoint(service)
         control = control_endpoint_for(endpoint)
         log_path = self.runtime_dir / f"{service}.log"
         args = [*command, "--endpoint", endpoint, "--control-endpoint", control,

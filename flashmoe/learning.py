@@ -68,7 +68,8 @@ class Learning:
         self._pending = out is not None
         if out is not None:
             X, z = out
-            S = self.learner.predict(X, z)
+            # As on the wire (FeatureBatch): per-expert features in float16.
+            S = self.learner.predict(X.astype(np.float16).astype(np.float32), z)
         self.cpu_s["predict"] += time.process_time() - middle
         self.tokens += 1
         return S
@@ -93,8 +94,16 @@ class Learning:
             raise CheckpointError(f"{folder}: unusable warm-up checkpoint: {exc}") from None
 
 
+HOP_MS = 1.0  # the bus hops of one token's event and prediction, on top of the compute
+
+
 class LearningPath(ReplayHooks):
-    """The learning path on the replay's virtual clock."""
+    """The learning path on the replay's virtual clock, as the processes run it: the estimate
+    for token t + 1 is ready when token t ends plus the CPU time the extractor and the
+    predictor spent on it (measured) and the bus hops (``HOP_MS``); the predictor publishes a
+    new estimate when at least ``publish_interval_ms`` passed since its last one, and the
+    cache manager uses the latest. ``stale_tokens`` hands out the estimate made that many
+    tokens earlier (the prediction-age study)."""
 
     def __init__(self, trace: Trace, learning: Learning | None, publish_interval_ms: float,
                  stale_tokens: int = 0, prefetcher=None) -> None:
@@ -114,12 +123,17 @@ class LearningPath(ReplayHooks):
 
     def before_request(self, core: CacheManagerCore, now_ms: float, token: int,
                        layer: int) -> None:
-        if self.learning is None or now_ms < self.next_publish or len(self.made) <= self.stale:
+        if self.learning is None or now_ms < self.next_publish:
+            return
+        ready = 0
+        while ready < len(self.made) and self.made[ready][0] <= now_ms:
+            ready += 1
+        if ready <= self.stale:
             return
         self.next_publish = now_ms + self.interval
-        while len(self.made) > self.stale + 1:
+        for _ in range(ready - self.stale - 1):
             self.made.popleft()
-        core.set_estimate(self.made[0])
+        core.set_estimate(self.made.popleft()[1])
         self.published += 1
 
     def after_request(self, core: CacheManagerCore, now_ms: float, token: int, layer: int,
@@ -131,9 +145,11 @@ class LearningPath(ReplayHooks):
     def after_token(self, token: int, now_ms: float) -> None:
         if self.learning is None:
             return
+        cpu_before = sum(self.learning.cpu_s.values())
         S = self.learning.on_token(self.stream, self.trace, token)
         if S is not None:
-            self.made.append(S)
+            cpu_ms = 1e3 * (sum(self.learning.cpu_s.values()) - cpu_before)
+            self.made.append((now_ms + cpu_ms + HOP_MS, S))
         else:
             self.made.clear()  # a sequence ended: nothing to say about a token not yet known
 

@@ -47,6 +47,7 @@ from .prefetcher import NextLayerPrefetcher, PrefetcherParams
 
 log = logging.getLogger("flashmoe.cache_manager")
 POLL_MS = 100
+PREDICTION_CHECK_S = 0.005  # how often the loop looks for a new Prediction
 LATENCY_WINDOW = 10_000
 EXIT_ENGINE_FAILED = 3
 # What a worker and the cache manager must agree on (the handshake compares these sections).
@@ -201,7 +202,7 @@ class CacheManager:
         verifier_fd = self.verifier.fileno()
         poller.register(verifier_fd, zmq.POLLIN)
         read_timeout_s = self.config.io.read_timeout_s
-        next_tick = time.monotonic()
+        next_tick = next_prediction_check = time.monotonic()
         try:
             while self.state is State.RUNNING:
                 if self.reads or self.verifier.pending:
@@ -228,9 +229,12 @@ class CacheManager:
                                 self.verified(load, error)
                     except IOEngineError as exc:
                         self.engine_failed(exc)
-                    if identity is None or time.monotonic() >= next_tick:
-                        next_tick = time.monotonic() + POLL_MS / 1000
+                    now = time.monotonic()
+                    if identity is None or now >= next_tick:
+                        next_tick = now + POLL_MS / 1000
                         self.check_peers()
+                    if self.predictions is not None and now >= next_prediction_check:
+                        next_prediction_check = now + PREDICTION_CHECK_S
                         self.take_predictions()
             self.broadcast_dead("cache manager shut down")
         except EngineFailed as exc:
@@ -249,10 +253,10 @@ class CacheManager:
             self.worker_gone(identity)
 
     def take_predictions(self) -> None:
-        """On the tick: the newest Prediction goes to the policy; one older than
+        """Every few ms: the newest Prediction goes to the policy; one older than
         ``predictor.max_age_ms`` is withdrawn (the policy falls back to LRU)."""
         now = time.monotonic()
-        if self.predictions is not None:
+        if self.predictions is not None and self.predictions.socket.poll(0):
             newest = None
             for message in self.predictions.drain():
                 if isinstance(message, Prediction):

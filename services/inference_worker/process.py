@@ -48,10 +48,12 @@ class EventPublisher:
 
 def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: Trace,
                      start: int = 0, tokens: int | None = None, name: str = "trace-worker",
-                     events: str | None = None, settle_s: float = 0.5) -> dict:
+                     events: str | None = None, settle_s: float = 0.5,
+                     token_ms: float = 0.0) -> dict:
     """Replay ``tokens`` decode steps of ``trace`` from row ``start``; returns the cache
     manager's stats at the end. ``events``: publish AccessEvents there (after ``settle_s``,
-    the subscribers' time to connect)."""
+    the subscribers' time to connect). ``token_ms``: a decode step lasts at least this long
+    (the worker waits out the rest, as for a model's compute)."""
     stop = trace.n_tokens if tokens is None else min(trace.n_tokens, start + tokens)
     stream = TokenStream.of(trace)
     publisher = EventPublisher(config or FlashMoEConfig(), events, f"{name}[{os.getpid()}]") \
@@ -61,8 +63,14 @@ def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: 
     try:
         with CacheClient(cache_endpoint, config, name=name) as client:
             L = trace.num_layers
+            token_started = time.monotonic()
             for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
                 t = start + offset
+                if layer == 0:
+                    left = token_started + token_ms / 1000 - time.monotonic()
+                    if left > 0:
+                        time.sleep(left)
+                    token_started = time.monotonic()
                 client.acquire(layer, experts, release, stream.input_token[t])
                 if layer == L - 1 and publisher is not None:
                     probs = trace.probs[t].astype(float).tolist() \

@@ -4,8 +4,8 @@ out (PUB, to the cache manager) every ``predictor.publish_interval_ms``.
 One network step per token; the token's routing, carried by the next batch, is its label.
 Training runs in this process, between batches, so the hot path never waits on it. The
 weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
-``CHECKPOINT_EVERY_S`` and at shutdown; a restarted predictor resumes from there (else from
-the warm-up checkpoint, else cold).
+``predictor.checkpoint_every_s`` and at shutdown; a restarted predictor resumes from there
+(else from the warm-up checkpoint, else cold).
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 
 from .core import Learner, LearnerParams
-
-CHECKPOINT_EVERY_S = 30.0
-
 
 class PredictorService(Service):
     name = "predictor"
@@ -117,7 +114,8 @@ class PredictorService(Service):
             self.counters["predictions"] += 1
             self.latest = None
             self.last_publish = now
-        if self.learner is not None and now - self.last_checkpoint >= CHECKPOINT_EVERY_S:
+        if self.learner is not None and \
+                now - self.last_checkpoint >= self.config.predictor.checkpoint_every_s:
             self.checkpoint()
 
     def checkpoint(self) -> None:

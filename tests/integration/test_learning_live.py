@@ -1,0 +1,189 @@
+"""The learning trio live: a trace-driven worker publishing AccessEvents, the feature
+extractor, the predictor and the cache manager as real processes over real ZeroMQ."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from common.bus import Publisher, stats
+from common.config import load_config
+from common.protocol import SCHEMA_VERSION, AccessEvent, encode
+from common.traces import DEFAULT_TRACES_DIR, Trace, load_gptoss20b, save_trace
+from flashmoe.device_model import DEVICES
+from flashmoe.launch import Launcher, child_env, cli_command
+from flashmoe.learning import LearningPath, Learning
+from flashmoe.simulator import replay_core
+from flashmoe.synth_store import synth_store
+
+pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
+                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+TOKEN_MS = 120.0  # the worker's pace: a decode step of a real model on an edge box
+
+
+def sequences_slice(trace: Trace, name: str, first: int, count: int) -> Trace:
+    a, b = int(trace.offsets[first]), int(trace.offsets[first + count])
+    return Trace(name, trace.experts[a:b], trace.offsets[first:first + count + 1] - a,
+                 trace.num_experts, trace.model, trace.probs[a:b],
+                 trace.sequences[first:first + count])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learning")
+    store = synth_store(root / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
+                        parallelism=3, show_progress=False).path
+    train = sequences_slice(load_gptoss20b("train"), "train-slice", 0, 3)
+    evaluation = sequences_slice(load_gptoss20b("eval"), "eval-slice", 0, 1)
+    evaluation_file = root / "eval.npz"
+    save_trace(evaluation, evaluation_file)
+    ckpt = root / "warmup"
+    from flashmoe.learning import warmup
+
+    warmup(train, load_config(env={}), ckpt)
+    return {"store": store, "trace": evaluation, "trace_file": evaluation_file, "ckpt": ckpt,
+            "root": root}
+
+
+def start_trio(setup, tmp_path, *overrides):
+    config = load_config(env={}, overrides=[f"store.path={setup['store']}",
+                                            "cache.policy=flashmoe", *overrides])
+    launcher = Launcher(config, tmp_path)
+    events = launcher.endpoint("worker.events")
+    launcher.start("predictor", ["serve-predictor", str(setup["store"]), "--features",
+                                 launcher.endpoint("feature_extractor"), "--checkpoint-dir",
+                                 str(tmp_path / "predictor-ckpt"), "--warmup",
+                                 str(setup["ckpt"])])
+    launcher.start("feature_extractor", ["serve-features", str(setup["store"]), "--events",
+                                         events, "--warmup", str(setup["ckpt"])])
+    launcher.start("cache_manager", ["serve-cache", str(setup["store"]), "--predictions",
+                                     launcher.endpoint("predictor")])
+    return launcher, events
+
+
+def run_worker(launcher, setup, events, tokens=None, token_ms=TOKEN_MS, wait=True):
+    out = launcher.runtime_dir / "worker.json"
+    cmd = cli_command("trace-worker", "--cache", launcher.endpoint("cache_manager"), "--trace",
+                      str(setup["trace_file"]), "--events", events, "--token-ms", str(token_ms),
+                      "--json", str(out), "--config", str(launcher.config_path))
+    if tokens:
+        cmd += ["--tokens", str(tokens)]
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc, out
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    return json.loads(out.read_text())
+
+
+def wait_for(endpoint, condition, timeout_s=30.0, what=""):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = stats(endpoint)
+        if condition(current):
+            return current
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {current}"
+        time.sleep(0.1)
+
+
+def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
+    capacity = 96
+    launcher, events = start_trio(setup, tmp_path, f"cache.capacity_experts={capacity}",
+                                  "prefetch.inline=false")
+    try:
+        live = run_worker(launcher, setup, events)
+        trace = setup["trace"]
+        T = trace.n_tokens
+        fx = wait_for(launcher.children["feature_extractor"].control_endpoint,
+                      lambda s: s["events"] >= T, what="every event at the extractor")
+        predictor = wait_for(launcher.children["predictor"].control_endpoint,
+                             lambda s: s["batches"] >= T - 1, what="every batch")
+    finally:
+        launcher.stop_all()
+    assert fx["events"] == T and fx["n_gap"] == 0 and fx["n_out_of_order"] == 0
+    assert predictor["batches"] == T - 1 and predictor["n_gap"] == 0  # the last token: none
+    assert live["predictions"] > T / 4 and live["rejected_malformed"] == 0
+    # The simulator on the same slice, the same checkpoint, the worker's pace as its clock.
+    learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k,
+                               load_config(env={}))
+    learning.load(setup["ckpt"])
+    hooks = LearningPath(trace, learning, 100.0)
+    sim = replay_core("flashmoe", capacity, trace, "global", DEVICES["orin-980pro"], 1,
+                      TOKEN_MS / trace.num_layers, hooks=hooks)
+    accesses = T * trace.num_layers * trace.top_k
+    live_rate = live["n_hit"] / (live["n_hit"] + live["n_miss"])
+    sim_rate = sim.stats["n_hit"] / accesses
+    assert live["n_hit"] + live["n_miss"] == accesses
+    assert abs(live_rate - sim_rate) <= 0.005, (live_rate, sim_rate)
+
+
+def test_a_killed_predictor_means_lru_then_a_resumed_predictor(setup, tmp_path):
+    launcher, events = start_trio(setup, tmp_path, "cache.capacity_experts=96",
+                                  "predictor.checkpoint_every_s=0.5", "predictor.max_age_ms=400")
+    try:
+        worker, out = run_worker(launcher, setup, events, token_ms=40, wait=False)
+        predictor = launcher.children["predictor"]
+        cache = launcher.children["cache_manager"].control_endpoint
+        wait_for(predictor.control_endpoint, lambda s: s["checkpoints"] >= 1,
+                 what="a predictor checkpoint")
+        wait_for(cache, lambda s: s["estimate"] == "fresh", what="predictions in use")
+        os.kill(predictor.proc.pid, signal.SIGKILL)
+        predictor.proc.wait(10)
+        before = stats(cache)["n_acquire"]
+        fallback = wait_for(cache, lambda s: s["estimate"] == "none", timeout_s=10,
+                            what="the LRU fallback")
+        assert fallback["estimate_expired"] >= 1
+        wait_for(cache, lambda s: s["n_acquire"] > before + 100, what="requests still served")
+        del launcher.children["predictor"]
+        restarted = launcher.start("predictor", predictor.args[:predictor.args.index(
+            "--endpoint")])
+        resumed = wait_for(restarted.control_endpoint, lambda s: s["batches"] > 0,
+                           what="the restarted predictor's first batch")
+        assert resumed["resumed_from"] == str(tmp_path / "predictor-ckpt")
+        wait_for(cache, lambda s: s["estimate"] == "fresh", what="predictions again")
+        _, err = worker.communicate(timeout=600)
+        assert worker.returncode == 0, err
+    finally:
+        launcher.stop_all()
+
+
+def test_malformed_and_wrong_version_messages_are_counted_and_dropped(setup, tmp_path):
+    ctx = zmq.Context()
+    config = load_config(env={})
+    rogue_endpoint = f"ipc://{tmp_path}/rogue.sock"
+    rogue = Publisher(ctx, config, rogue_endpoint)
+    good = Publisher(ctx, config, f"ipc://{tmp_path}/good.sock")
+    launcher = Launcher(load_config(env={}, overrides=[f"store.path={setup['store']}"]),
+                        tmp_path / "run")
+    try:
+        child = launcher.start("feature_extractor", [
+            "serve-features", str(setup["store"]), "--events",
+            f"{rogue_endpoint},ipc://{tmp_path}/good.sock"])
+        trace = setup["trace"]
+        bad = [b"\xc1garbage", encode(AccessEvent("x", 1, 0, 0, 0, "a", "b", [[1]], [])),
+               b"\x92" + bytes([SCHEMA_VERSION + 1]) + b"\x90"]
+        for _ in range(50):  # until the subscription is live
+            rogue.socket.send(bad[0])
+            if stats(child.control_endpoint)["rejected_malformed"]:
+                break
+            time.sleep(0.1)
+        for frame in bad[1:]:
+            rogue.socket.send(frame)
+        for t in range(5):
+            good.publish(AccessEvent("w", 1, t, 0, t, "a", "b", trace.experts[t].tolist(), []))
+        current = wait_for(child.control_endpoint, lambda s: s["events"] >= 6,
+                           what="the good events")
+        assert current["rejected_shape"] == 1 and current["rejected_wrong_version"] == 1
+        assert current["rejected_malformed"] >= 1 and current["batches"] == 5
+        assert child.proc.poll() is None
+    finally:
+        launcher.stop_all()
+        rogue.close()
+        good.close()
+        ctx.term()
