@@ -7,7 +7,6 @@ import signal
 import subprocess
 import time
 
-import numpy as np
 import pytest
 import zmq
 
