@@ -236,6 +236,29 @@ def cmd_trace_worker(args) -> int:
     return 0
 
 
+def cmd_bus_bench(args) -> int:
+    import tempfile
+
+    from common.traces import load_trace
+    from flashmoe import bus_bench
+    from flashmoe.synth_store import synth_store
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    with tempfile.TemporaryDirectory(prefix="flashmoe-busbench-store-") as scratch:
+        store = args.store or str(synth_store(Path(scratch) / "store", "gpt-oss-tiny", 1.0,
+                                              8192, 3, show_progress=False).path)
+        report = {"trace": trace.name, "raw": bus_bench.raw_throughput(trace, args.events),
+                  "pipeline": bus_bench.pipeline_throughput(
+                      trace, store, args.rates, args.seconds,
+                      load_config(profile=args.profile, file=args.config,
+                                  overrides=[f"store.path={store}", *args.set]))}
+    print(bus_bench.format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_config(args) -> int:
     if args.fields:
         for row in describe_fields():
@@ -414,6 +437,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make each decode step last at least this long (a model's pace)")
     _add_config_flags(p)
     p.set_defaults(func=cmd_trace_worker)
+
+    p = sub.add_parser("bus-bench", help="events per second through the learning path's bus")
+    p.add_argument("--trace", default="gptoss20b:eval")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--store", help="a store of the trace's shape (default: a tiny synthetic one)")
+    p.add_argument("--events", type=int, default=20_000, help="events of the raw test")
+    p.add_argument("--rates", type=_csv(float), default=[100.0, 200.0],
+                   help="tokens/s fed through extractor and predictor")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each rate's run")
+    p.add_argument("--json", metavar="FILE")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_bus_bench)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

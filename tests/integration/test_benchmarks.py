@@ -36,3 +36,17 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     assert "at least one expert" in capsys.readouterr().err
     assert cli(["bench", "--trace", "warp:olmoe", "--policies", "lru,nope", "--quiet"]) == 2
     assert "unknown policies" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
+                    reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+def test_bus_bench_counts_every_stage(tmp_path):
+    out = tmp_path / "bus.json"
+    assert cli(["bus-bench", "--events", "2000", "--rates", "50", "--seconds", "2",
+                "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["raw"]["received"] + doc["raw"]["lost"] == 2000
+    assert doc["raw"]["accesses_per_s"] > 0
+    (run,) = doc["pipeline"]
+    assert run["events"] == 100 and run["extractor_events"] == 100
+    assert run["predictor_batches"] == run["batches"] and run["lost"] == 0
