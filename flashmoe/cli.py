@@ -259,6 +259,67 @@ def cmd_bus_bench(args) -> int:
     return 0
 
 
+def cmd_task_shift(args) -> int:
+    from common.traces import load_trace
+    from flashmoe import learning_report
+    from flashmoe.device_model import DEVICES, MODEL_SHAPES
+    from flashmoe.simulator import capacity_for
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    report = learning_report.task_shift(
+        trace, capacity_for(args.capacity, trace, "global"), DEVICES[args.device],
+        MODEL_SHAPES[trace.model], _config(args), args.warmup, args.window, args.after)
+    for variant, curves in report["curves"].items():
+        print(variant, {p: c["hit_rate"] for p, c in curves.items()})
+    for row in report["drift"]:
+        print(f"after the switch to {row['dataset']} at token {row['token']}: FlashMoE "
+              f"{row['with_drift']:.4f} with drift handling, {row['without_drift']:.4f} without")
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        learning_report.plot_task_shift(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_learning_report(args) -> int:
+    import dataclasses
+
+    from common.traces import load_trace
+    from flashmoe import learning_report, simulator
+    from flashmoe.device_model import DEVICES, MODEL_SHAPES
+    from flashmoe.learning import Learning
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    config = _config(args)
+    recall = learning_report.recall_report(load_trace(args.warmup_trace, Path(args.traces_dir)),
+                                           trace, config, args.warmup)
+    learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k, config)
+    if args.warmup:
+        learning.load(args.warmup)
+    int8 = learning_report.int8_report(learning)
+    hit_rates = {}
+    for flag in (False, True):
+        variant = dataclasses.replace(config, predictor=dataclasses.replace(config.predictor,
+                                                                            int8=flag))
+        report = simulator.run_bench(trace, "global", args.capacity, ["flashmoe"],
+                                     DEVICES["orin-980pro"], MODEL_SHAPES[trace.model],
+                                     progress=False, config=variant, warmup=args.warmup)
+        hit_rates["int8" if flag else "fp32"] = {
+            r["capacity"]: {"hit_rate": r["hit_rate"], "cpu_ms_per_token": r["cpu_ms_per_token"]}
+            for r in report["results"]}
+    doc = {"trace": trace.name, "warmup": Path(args.warmup).name if args.warmup else None,
+           "recall_at_k": recall, "int8": {**int8, "bench": hit_rates}}
+    for name, entry in recall.items():
+        print(f"recall@{trace.top_k} {name}: {entry['mean']:.3f}")
+    print(json.dumps(doc["int8"], indent=1))
+    if args.json:
+        write_json(doc, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_config(args) -> int:
     if args.fields:
         for row in describe_fields():
@@ -449,6 +510,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     _add_config_flags(p)
     p.set_defaults(func=cmd_bus_bench)
+
+    p = sub.add_parser("task-shift", help="hit rate over the eval split's task switches, and "
+                                          "what drift handling buys")
+    p.add_argument("--trace", default="gptoss20b:eval")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--capacity", type=float, default=0.125, help="fraction of all experts")
+    p.add_argument("--warmup", metavar="CKPT")
+    p.add_argument("--window", type=int, default=200, help="tokens per plotted point")
+    p.add_argument("--after", type=int, default=1000, help="tokens after a switch (drift)")
+    p.add_argument("--device", choices=sorted(DEVICE_NAMES), default="orin-980pro")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_task_shift)
+
+    p = sub.add_parser("learning-report", help="recall of the predictions against baselines; "
+                                               "INT8 against FP32")
+    p.add_argument("--trace", default="gptoss20b:eval")
+    p.add_argument("--warmup-trace", default="gptoss20b:train",
+                   help="the split the static hot list comes from")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--warmup", metavar="CKPT")
+    p.add_argument("--capacity", type=_csv(float), default=[0.125, 0.25])
+    p.add_argument("--json", metavar="FILE")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_learning_report)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

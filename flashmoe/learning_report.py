@@ -1,0 +1,235 @@
+"""The learned policy's own figures (`flashmoe task-shift`, `flashmoe learning-report`).
+
+task-shift: the eval split is in dataset order in the trace; hit rate in windows of
+``window`` tokens for FlashMoE, LRU, ARC and nextuse at one capacity, with the dataset
+switches marked, against the same replay with the sequences shuffled (no shift: the control);
+and what the drift detector buys: FlashMoE's hit rate in the ``after`` tokens following each
+switch with and without drift handling.
+
+learning-report: recall@4 per layer of the next-token prediction (the predictor's chance of
+use in the coming token) and of the next-layer prediction (the inline prefetcher, after each
+layer of the current token), against reusing the previous token's experts and against a
+static hot list (the most used experts of each layer on the warm-up split); and INT8 dynamic
+quantization against FP32: the network's size, inference time and hit rates.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from common.config import FlashMoEConfig
+from common.traces import TokenStream, Trace
+from flashmoe.device_model import DeviceModel, ModelShape
+from flashmoe.learning import Learning, LearningPath
+from flashmoe.simulator import SIM_WORKER, replay_core
+
+
+def shuffled(trace: Trace, seed: int = 0) -> Trace:
+    """The same sequences in a random order."""
+    order = np.random.default_rng(seed).permutation(trace.n_sequences)
+    rows = np.concatenate([np.arange(trace.offsets[i], trace.offsets[i + 1]) for i in order])
+    lengths = np.diff(trace.offsets)[order]
+    return Trace(trace.name + ":shuffled", trace.experts[rows],
+                 np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), trace.num_experts,
+                 trace.model, trace.probs[rows] if trace.probs is not None else None,
+                 [trace.sequences[i] for i in order])
+
+
+def switches(trace: Trace) -> list[tuple[int, str]]:
+    """(first token, dataset) of every run of sequences from one dataset."""
+    out, last = [], None
+    for i, info in enumerate(trace.sequences):
+        if info.get("dataset") != last:
+            last = info.get("dataset")
+            out.append((int(trace.offsets[i]), str(last)))
+    return out
+
+
+_JOB: dict = {}
+
+
+def _replay(job: tuple[str, str, dict]) -> tuple[str, str, np.ndarray]:
+    policy, variant, overrides = job
+    trace = _JOB["traces"][variant]
+    config = copy.deepcopy(_JOB["config"])
+    for section, values in overrides.items():
+        for name, value in values.items():
+            setattr(getattr(config, section), name, value)
+    hooks = None
+    if policy == "flashmoe":
+        learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k, config)
+        if _JOB["warmup"]:
+            learning.load(_JOB["warmup"])
+        hooks = LearningPath(trace, learning, config.predictor.publish_interval_ms)
+    device, shape = _JOB["device"], _JOB["shape"]
+    run = replay_core(policy, _JOB["capacity"], trace, "global", device, shape.expert_bytes,
+                      device.compute_ms_per_layer(shape), hooks=hooks)
+    per_token = run.hits.reshape(trace.n_tokens, trace.num_layers).sum(1)
+    return policy, variant, per_token
+
+
+def task_shift(trace: Trace, capacity: int, device: DeviceModel, shape: ModelShape,
+               config: FlashMoEConfig, warmup: str | None, window: int = 200,
+               after: int = 1000, jobs: int = 2) -> dict:
+    traces = {"ordered": trace, "shuffled": shuffled(trace)}
+    policies = ["flashmoe", "lru", "arc", "nextuse"]
+    work = [(p, v, {}) for v in traces for p in policies]
+    work.append(("flashmoe", "ordered-nodrift", {"predictor": {"drift": False}}))
+    traces["ordered-nodrift"] = trace
+    _JOB.update(traces=traces, config=config, warmup=warmup, capacity=capacity,
+                device=device, shape=shape)
+    started = time.perf_counter()
+    with mp.get_context("fork").Pool(jobs) as pool:
+        results = pool.map(_replay, work)
+    _JOB.clear()
+    accesses_per_token = trace.num_layers * trace.top_k
+    curves: dict = {}
+    for policy, variant, per_token in results:
+        n = len(per_token) // window
+        windows = per_token[:n * window].reshape(n, window).sum(1) / (window * accesses_per_token)
+        curves.setdefault(variant, {})[policy] = {
+            "hit_rate": round(float(per_token.sum() / (len(per_token) * accesses_per_token)), 6),
+            "windows": [round(float(w), 4) for w in windows], "per_token": per_token}
+    marks = switches(trace)
+    drift = []
+    for start, dataset in marks[1:]:
+        stop = min(start + after, trace.n_tokens)
+        span = (stop - start) * accesses_per_token
+        with_drift = curves["ordered"]["flashmoe"]["per_token"][start:stop].sum() / span
+        without = curves["ordered-nodrift"]["flashmoe"]["per_token"][start:stop].sum() / span
+        drift.append({"token": start, "dataset": dataset, "with_drift": round(float(with_drift), 4),
+                      "without_drift": round(float(without), 4)})
+    for variant in curves.values():
+        for entry in variant.values():
+            del entry["per_token"]
+    return {"trace": trace.name, "capacity": capacity, "window": window, "after": after,
+            "switches": [{"token": t, "dataset": d} for t, d in marks],
+            "curves": curves, "drift": drift, "warmup": bool(warmup),
+            "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def plot_task_shift(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = report["window"]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True, sharey=True)
+    for ax, variant, title in ((axes[0], "ordered", "dataset order (task switches marked)"),
+                               (axes[1], "shuffled", "sequences shuffled (no-shift control)")):
+        for policy, entry in report["curves"][variant].items():
+            x = (np.arange(len(entry["windows"])) + 0.5) * window
+            ax.plot(x, entry["windows"], label=f"{policy} ({entry['hit_rate']:.3f})",
+                    linewidth=1.2 if policy == "flashmoe" else 0.8)
+        if variant == "ordered":
+            for mark in report["switches"][1:]:
+                ax.axvline(mark["token"], color="grey", linestyle=":", linewidth=0.8)
+                ax.text(mark["token"], 0.98, mark["dataset"][:14], rotation=90, fontsize=6,
+                        va="top", color="grey", transform=ax.get_xaxis_transform())
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(f"hit rate per {window} tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[1].set_xlabel("token of the eval split")
+    fig.suptitle(f"{report['trace']}, global scope, {report['capacity']} experts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- recall and INT8 ----------------------------------------------------------------------------
+
+def _recall_at(top: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """Per layer: |top ∩ actual| / k for (L, k) top and (L, k) actual."""
+    return (top[:, :, None] == actual[:, None, :]).any(1).sum(1) / actual.shape[1]
+
+
+def recall_report(warmup_trace: Trace, trace: Trace, config: FlashMoEConfig,
+                  warmup: str | None) -> dict:
+    """recall@k per layer of the next-token and next-layer predictions and two baselines."""
+    from services.cache_manager.core import CacheManagerCore
+    from services.cache_manager.prefetcher import NextLayerPrefetcher
+
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    learning = Learning.create(L, E, K, config)
+    if warmup:
+        learning.load(warmup)
+    prefetcher = NextLayerPrefetcher(L, E, K, dataclasses.replace(
+        NextLayerPrefetcher(L, E, K).params, threshold=2.0))  # scores only, no hints
+    sink = CacheManagerCore({(0, 0): 1}, 1)
+    stream = TokenStream.of(trace)
+    counts = np.zeros((L, E))
+    for row in warmup_trace.experts:
+        np.add.at(counts, (np.arange(L)[:, None], row), 1)
+    hot = np.argsort(-counts, axis=1)[:, :K]
+    sums = {name: np.zeros(L) for name in ("next_token", "next_layer", "previous_token",
+                                           "hot_list")}
+    n = {name: 0 for name in sums}
+    previous = None
+    for t in range(trace.n_tokens):
+        actual = trace.experts[t].astype(np.int64)
+        p_used = learning.learner.last_p_used
+        if p_used is not None and stream.position[t] > 0:
+            top = np.argsort(-p_used.reshape(L, E), axis=1)[:, :K]
+            sums["next_token"] += _recall_at(top, actual)
+            n["next_token"] += 1
+        if previous is not None and stream.position[t] > 0:
+            sums["previous_token"] += _recall_at(previous, actual)
+            n["previous_token"] += 1
+        sums["hot_list"] += _recall_at(hot, actual)
+        n["hot_list"] += 1
+        for layer in range(L):
+            prefetcher.after_request(sink, SIM_WORKER, layer, actual[layer].tolist(),
+                                     stream.input_token[t])
+            if layer + 1 < L:
+                X = prefetcher._streams[SIM_WORKER]["X"][layer + 1]
+                p = X @ prefetcher.w + prefetcher.b[layer + 1]
+                top = np.argsort(-p)[:K]
+                sums["next_layer"][layer + 1] += np.isin(top, actual[layer + 1]).sum() / K
+        n["next_layer"] += 1
+        learning.on_token(stream, trace, t)
+        previous = actual
+    out = {}
+    for name, total in sums.items():
+        per_layer = total / max(n[name], 1)
+        layers = per_layer[1:] if name == "next_layer" else per_layer
+        out[name] = {"mean": round(float(layers.mean()), 4),
+                     "per_layer": [round(float(v), 4) for v in per_layer]}
+    return out
+
+
+def int8_report(learning: Learning, steps: int = 200) -> dict:
+    """Size and inference time of the FP32 network and of its INT8 dynamic quantization
+    (which turns the LSTM's and any Linear's weight matrices into int8 with one scale each;
+    the per-layer heads, skip weights and biases stay FP32)."""
+    import torch
+    import torch.nn as nn
+
+    learner = learning.learner
+    fp32 = learner.net
+    quantized = sum(p.numel() for module in fp32.modules()
+                    if isinstance(module, (nn.LSTM, nn.Linear))
+                    for name, p in module.named_parameters() if "weight" in name)
+    total = sum(p.numel() for p in fp32.parameters())
+    learner.quantize()
+    int8 = learner.infer_net
+    learner.infer_net = fp32
+    z = torch.zeros(1, learner.L, learner.dims)
+    x = torch.zeros(1, learner.N, learner.features)
+    timings = {}
+    for name, net in (("fp32", fp32), ("int8", int8)):
+        with torch.no_grad():
+            net(z, x)
+            started = time.perf_counter()
+            for _ in range(steps):
+                net(z, x)
+        timings[name] = (time.perf_counter() - started) / steps * 1e6
+    return {"parameters": total, "int8_parameters": quantized, "fp32_bytes": 4 * total,
+            "int8_bytes": 4 * (total - quantized) + quantized,
+            "fp32_infer_us": round(timings["fp32"], 1), "int8_infer_us": round(timings["int8"], 1)}
