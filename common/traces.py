@@ -5,7 +5,8 @@ A ``Trace`` is the router's choice per decode token and MoE layer: ``experts`` o
 ``offsets[i]:offsets[i+1]``), optionally the router ``probs`` of the same shape.
 
 Shared traces (read from ``../shared/traces``, never copied into the project):
-  - ``gptoss20b[:split]``: openai/gpt-oss-20b; split ``train``, ``eval`` or ``all``;
+  - ``gptoss20b[:split]``: openai/gpt-oss-20b; split ``train``, ``eval``, ``all``, or ``fit``
+    and ``dev`` (train without / only ``gpqa_main``: warm up on fit, make choices on dev);
     sequences with ``has_repetition`` are always dropped (the README's rule for reported numbers).
   - ``warp:olmoe``, ``warp:kimi``: the two small warp traces (one sequence each).
 
@@ -33,6 +34,9 @@ DEFAULT_TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / 
 GPTOSS_TRAIN = ("mmlu_dev", "mmlu_validation", "gpqa_main", "sorry_bench_base")
 GPTOSS_EVAL = ("mmlu_test", "mmlu_pro_test", "mmlu_pro_validation", "gpqa_diamond",
                "gpqa_extended", "Polyglot-or-Not_Fact-Completion", "tulu3_persona_if")
+GPTOSS_DEV = ("gpqa_main",)  # part of train set aside for choices (after warm-up on fit)
+SPLITS = {"train": GPTOSS_TRAIN, "eval": GPTOSS_EVAL, "all": GPTOSS_TRAIN + GPTOSS_EVAL,
+          "dev": GPTOSS_DEV, "fit": tuple(d for d in GPTOSS_TRAIN if d not in GPTOSS_DEV)}
 WARP_FILES = {"olmoe": ("trace_olmoe_299.jsonl", 64, "olmoe-1b-7b"),
               "kimi": ("trace_kimi_300.jsonl", 256, "kimi-linear-48b-a3b")}
 
@@ -91,8 +95,8 @@ def _select_sequences(experts: np.ndarray, offsets: np.ndarray, keep: np.ndarray
 
 def load_gptoss20b(split: str = "eval", traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
     folder = Path(traces_dir) / "gptoss20b"
-    if split not in ("train", "eval", "all"):
-        raise TraceError(f"gptoss20b split {split!r}: choose train, eval or all")
+    if split not in SPLITS:
+        raise TraceError(f"gptoss20b split {split!r}: choose {', '.join(SPLITS)}")
     if not (folder / "routing.npz").is_file():
         raise TraceError(f"{folder}: gpt-oss-20b traces not found (expected routing.npz and "
                          f"meta.jsonl from ../shared/traces)")
@@ -101,8 +105,7 @@ def load_gptoss20b(split: str = "eval", traces_dir: Path = DEFAULT_TRACES_DIR) -
     meta = [json.loads(line) for line in (folder / "meta.jsonl").read_text().splitlines() if line]
     if len(meta) != len(offsets) - 1:
         raise TraceError(f"{folder}: {len(meta)} meta rows for {len(offsets) - 1} sequences")
-    datasets = {"train": GPTOSS_TRAIN, "eval": GPTOSS_EVAL,
-                "all": GPTOSS_TRAIN + GPTOSS_EVAL}[split]
+    datasets = SPLITS[split]
     keep = np.array([not m["has_repetition"] and m["dataset"] in datasets for m in meta])
     unknown = {m["dataset"] for m in meta} - set(GPTOSS_TRAIN + GPTOSS_EVAL)
     if unknown:
@@ -177,7 +180,8 @@ def load_trace(spec: str, traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
         return load_warp(variant, traces_dir)
     if Path(spec).is_file():
         return load_trace_file(spec)
-    raise TraceError(f"unknown trace {spec!r}: use gptoss20b:train|eval|all, warp:olmoe|kimi, "
+    raise TraceError(f"unknown trace {spec!r}: use gptoss20b:train|eval|all|fit|dev, "
+                     f"warp:olmoe|kimi, "
                      f"or the path of a FlashMoE trace file")
 
 

@@ -320,6 +320,22 @@ def cmd_learning_report(args) -> int:
     return 0
 
 
+def cmd_ablations(args) -> int:
+    from common.traces import load_trace
+    from flashmoe import ablations
+    from flashmoe.device_model import DEVICES, MODEL_SHAPES
+
+    fit = load_trace("gptoss20b:fit", Path(args.traces_dir))
+    dev = load_trace("gptoss20b:dev", Path(args.traces_dir))
+    report = ablations.ablations(fit, dev, DEVICES["orin-980pro"], MODEL_SHAPES[fit.model],
+                                 _config(args), args.variants, tuple(args.capacity), args.jobs)
+    print(ablations.format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_config(args) -> int:
     if args.fields:
         for row in describe_fields():
@@ -536,6 +552,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     _add_config_flags(p)
     p.set_defaults(func=cmd_learning_report)
+
+    p = sub.add_parser("ablations", help="each mechanism of the learned policy on or off: "
+                                         "warm-up on fit, measured on dev")
+    p.add_argument("--variants", type=_csv(str), default=None,
+                   help="which ablations (default: all; see flashmoe/ablations.py)")
+    p.add_argument("--capacity", type=_csv(float), default=[0.125, 0.25])
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--json", metavar="FILE")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_ablations)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")
