@@ -307,7 +307,12 @@ class ControlServer:
                 self.counters["rejected_malformed"] += 1
                 reply = Rejected("malformed", f"{len(frames) - 1} frames")
             else:
-                reply = self._answer(self.inbox.decode(frames[1]))
+                try:
+                    reply = self._answer(self.inbox.decode(frames[1]))
+                except Exception as exc:  # a handler's bug must not end the control socket
+                    log.exception("%s control: a request failed", self.service)
+                    self.counters["errors"] += 1
+                    reply = Rejected("internal", f"{type(exc).__name__}: {exc}"[:4000])
             if reply is not None:
                 try:
                     sock.send_multipart([identity, encode(reply)], zmq.NOBLOCK)

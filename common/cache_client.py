@@ -153,9 +153,10 @@ class CacheClient:
         return self._request(AcquireReq(seq, layer, experts, release_layers, token),
                              AcquireRep, seq).slots
 
-    def acquire_tensors(self, layer: int, experts: list[int], release_layers=()) -> list[dict]:
+    def acquire_tensors(self, layer: int, experts: list[int], release_layers=(),
+                        token: str = "") -> list[dict]:
         """Zero-copy torch views of each expert's projections, in request order."""
-        slots = self.acquire(layer, experts, release_layers)
+        slots = self.acquire(layer, experts, release_layers, token)
         return [self.arena.torch_views(slot, self.store.expert(layer, expert))
                 for expert, slot in zip(experts, slots)]
 

@@ -59,9 +59,8 @@ class Service:
         self.lock = threading.Lock()
         self.counters: Counter = Counter()
         self.started = time.monotonic()
-        self.control = ControlServer(self.ctx, config, control_endpoint, self.name,
-                                     stats=self.stats, state=lambda: self.state.value,
-                                     lock=self.lock)
+        self.control_endpoint = control_endpoint
+        self.control: ControlServer | None = None  # started by run(), once fully built
 
     # --- what a service provides -------------------------------------------------------------
 
@@ -89,6 +88,9 @@ class Service:
             self.state = State.STOP_REQUESTED
 
     def run(self) -> None:
+        self.control = ControlServer(self.ctx, self.config, self.control_endpoint, self.name,
+                                     stats=self.stats, state=lambda: self.state.value,
+                                     lock=self.lock)
         poller = zmq.Poller()
         for sock in self.sockets():
             poller.register(sock, zmq.POLLIN)

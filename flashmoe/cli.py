@@ -59,6 +59,42 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    import tempfile
+
+    from flashmoe.launch import Launcher
+    from services.inference_worker.generate import generate
+
+    config = _config(args, args.store)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    with tempfile.TemporaryDirectory(prefix="flashmoe-generate-") as runtime:
+        launcher = None if args.cache else Launcher(config, Path(runtime))
+        try:
+            endpoint = args.cache or launcher.start("cache", ["serve-cache", args.store]).endpoint
+            result = generate(args.store, args.prompt, args.max_new_tokens, endpoint,
+                              config if launcher or args.config or args.set or args.profile
+                              else None, events=args.events, on_token=show)
+        finally:
+            if launcher is not None:
+                launcher.stop_all()
+    s, steps = result["stats"], result["decode_steps"]
+    print(f"\n--\n{len(result['prompt_ids'])} prompt tokens, {len(result['token_ids'])} new "
+          f"tokens; prefill {result['prefill_s'] * 1000:.0f} ms, decode "
+          f"{result['decode_s'] * 1000 / max(steps, 1):.1f} ms/token", file=sys.stderr)
+    n = s["n_hit"] + s["n_miss"]
+    print(f"cache: {s['policy']}, {s['n_slots']} slots, hit rate {s['n_hit'] / max(n, 1):.3f} "
+          f"({s['n_hit']} hits, {s['n_miss']} misses, {s['n_evict']} evictions), "
+          f"{s['n_byte_read'] / 2**20:.1f} MiB read, prefetch {s['prefetch_used']}/"
+          f"{s['prefetch_issued']} used, engine {s['engine']}", file=sys.stderr)
+    if args.json:
+        write_json(result, args.json)
+    return 0
+
+
 def cmd_synth_store(args) -> int:
     from flashmoe.synth_store import synth_store
 
@@ -228,7 +264,7 @@ def cmd_trace_worker(args) -> int:
     trace = load_trace(args.trace, Path(args.traces_dir))
     config = _config(args) if (args.config or args.set or args.profile) else None
     stats = run_trace_worker(config, args.cache, trace, args.start, args.tokens,
-                             events=args.events, token_ms=args.token_ms)
+                             events=args.events, token_ms=args.token_ms, loop=args.loop)
     keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read")
     print(json.dumps({k: stats[k] for k in keys}))
     if args.json:
@@ -336,6 +372,40 @@ def cmd_ablations(args) -> int:
     return 0
 
 
+def cmd_health(args) -> int:
+    from common.bus import ServiceUnavailable, health
+
+    try:
+        reply = health(args.endpoint, timeout_s=args.timeout)
+    except ServiceUnavailable as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
+    print(f"{reply.service} pid {reply.pid}: {reply.state}, up {reply.uptime_s:.1f} s")
+    return 0 if reply.state == "running" else 1
+
+
+def cmd_deploy(args) -> int:
+    from flashmoe import deploy
+
+    common = dict(compose_files=args.compose or ["compose.yaml"], project=args.project,
+                  profiles=args.compose_profile, docker_host=args.docker_host)
+    try:
+        if args.deploy_command == "up":
+            rows = deploy.deploy_up(**common, build=args.build, wait=args.wait,
+                                    timeout_s=args.timeout)
+        elif args.deploy_command == "status":
+            rows = deploy.deploy_status(**common)
+        else:
+            for line in deploy.deploy_down(**common, volumes=args.volumes):
+                print(line)
+            return 0
+    except deploy.DeployError as exc:
+        print(f"flashmoe deploy {args.deploy_command}: error: {exc}", file=sys.stderr)
+        return 2
+    print(deploy.format_status(rows))
+    return 0 if all(row.ok for row in rows) or args.deploy_command == "up" else 1
+
+
 def cmd_config(args) -> int:
     if args.fields:
         for row in describe_fields():
@@ -360,6 +430,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_flags(p)
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text with a store's model, its experts "
+                                        "through the cache manager")
+    p.add_argument("--store", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--cache", help="a running cache manager's endpoint (default: start one for "
+                                   "this run)")
+    p.add_argument("--events", help="PUB endpoint to bind for the AccessEvents it publishes")
+    p.add_argument("--json", metavar="FILE", help="write token ids, text and the cache stats")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("synth-store", help="a store of random bf16 experts in a real model's "
                                            "shape (for trace-driven runs)")
@@ -437,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build_helper)
 
     p = sub.add_parser("make-tiny-model", help="save a random-weight MoE model (no download)")
-    p.add_argument("family", choices=("qwen3_moe", "olmoe", "mixtral"))
+    p.add_argument("family", choices=("qwen3_moe", "olmoe", "mixtral", "gpt_oss"))
     p.add_argument("out")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=8)
@@ -512,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events", help="PUB endpoint to bind for the AccessEvents it publishes")
     p.add_argument("--token-ms", type=float, default=0.0,
                    help="make each decode step last at least this long (a model's pace)")
+    p.add_argument("--loop", action="store_true", help="replay the slice again and again "
+                                                       "until stopped")
     _add_config_flags(p)
     p.set_defaults(func=cmd_trace_worker)
 
@@ -563,6 +647,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     _add_config_flags(p)
     p.set_defaults(func=cmd_ablations)
+
+    p = sub.add_parser("health", help="a health check: one round trip on a service's control "
+                                      "socket (exit 0 when it is running)")
+    p.add_argument("endpoint", help="the service's control endpoint")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser("deploy", help="the compose file's services through the Docker SDK")
+    deploy_sub = p.add_subparsers(dest="deploy_command", required=True)
+    for name, text in (("up", "create and start"), ("status", "state and health of each "
+                                                              "service"),
+                       ("down", "stop and remove")):
+        q = deploy_sub.add_parser(name, help=text)
+        q.add_argument("--compose", action="append", metavar="FILE",
+                       help="compose file(s) (default compose.yaml; repeat for overrides)")
+        q.add_argument("--project", help="project name (default: the folder's)")
+        q.add_argument("--docker-host", help="e.g. unix:///var/run/docker.sock")
+        q.add_argument("--profile", dest="compose_profile", action="append", default=[],
+                       help="compose profile(s) to enable, e.g. cluster")
+        if name == "up":
+            q.add_argument("--build", action="store_true", help="build the image first")
+            q.add_argument("--wait", action="store_true", help="until every service is healthy")
+            q.add_argument("--timeout", type=float, default=300.0)
+        if name == "down":
+            q.add_argument("--volumes", action="store_true", help="remove the volumes too")
+        q.set_defaults(func=cmd_deploy)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

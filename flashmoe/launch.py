@@ -143,6 +143,16 @@ class Launcher:
             raise
         return child
 
+    def start_plain(self, service: str, command: list[str],
+                    env: dict | None = None) -> subprocess.Popen:
+        """A process without a control socket (a worker): its log, the config file, no
+        health check."""
+        log_path = self.runtime_dir / f"{service}.log"
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(cli_command(*command, "--config", str(self.config_path)),
+                                    env={**child_env(), **(env or {})}, stdout=log_file,
+                                    stderr=subprocess.STDOUT)
+
     def stop_all(self, timeout_s: float = 10.0) -> dict[str, int]:
         codes = {name: stop_process(child.proc, timeout_s)
                  for name, child in reversed(list(self.children.items()))}

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 
+from common.model_families import UnsupportedModelError, family_for_config
 from common.traces import Trace, TraceError, save_trace
-
-ROUTER_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate")
 
 
 def _topk_from_router_output(output, top_k: int):
@@ -82,10 +80,13 @@ def record_trace(model_dir: str | Path, prompts_file: str | Path, out: str | Pat
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
     model.eval()
     config = model.config
-    top_k = int(getattr(config, "num_experts_per_tok", 0))
-    num_experts = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
-    routers = sorted(((int(m.group(1)), module) for name, module in model.named_modules()
-                      if (m := ROUTER_NAME.fullmatch(name))), key=lambda item: item[0])
+    try:
+        family = family_for_config(config.to_dict())
+    except UnsupportedModelError as exc:
+        raise TraceError(f"{model_dir}: {exc}") from None
+    top_k = int(getattr(config, family.top_k_key, 0))
+    num_experts = int(getattr(config, family.num_experts_key, 0))
+    routers = family.routers(model)
     if not routers or not top_k or not num_experts:
         raise TraceError(f"{model_dir}: no MoE routers found (model_type {config.model_type!r})")
     # transformers >= 5.x names the KV cache argument and output "cache"; older, "past_key_values".

@@ -54,7 +54,7 @@ class FeatureExtractorService(Service):
         self.publisher.close()
 
     def on_readable(self, sock: zmq.Socket) -> None:
-        for message in self.receive.drain():
+        for message in self.receive.drain(limit=64):  # then the lock is let go a moment
             if not isinstance(message, AccessEvent):
                 self.counters["rejected_unexpected"] += 1
                 continue

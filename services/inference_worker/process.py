@@ -46,42 +46,65 @@ class EventPublisher:
         self.ctx.term()
 
 
+class TraceWorker:
+    """Replays a trace's routing through a CacheClient at a model's pace."""
+
+    def __init__(self, client: CacheClient, trace: Trace, publisher: EventPublisher | None,
+                 token_ms: float = 0.0) -> None:
+        self.client, self.trace, self.publisher = client, trace, publisher
+        self.stream = TokenStream.of(trace)
+        self.token_ms = token_ms
+        self.tokens = 0
+        self._token_started = time.monotonic()
+
+    def replay(self, start: int, stop: int) -> None:
+        trace, stream, client = self.trace, self.stream, self.client
+        last = trace.num_layers - 1
+        for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
+            t = start + offset
+            if layer == 0:
+                self._pace()
+            client.acquire(layer, experts, release, stream.input_token[t])
+            if layer == last:
+                self.tokens += 1
+                if self.publisher is not None:
+                    probs = trace.probs[t].astype(float).tolist() \
+                        if trace.probs is not None else []
+                    self.publisher.publish(int(stream.sequence[t]), int(stream.position[t]),
+                                           stream.input_token[t], stream.next_token[t],
+                                           trace.experts[t].tolist(), probs)
+
+    def _pace(self) -> None:
+        left = self._token_started + self.token_ms / 1000 - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        self._token_started = time.monotonic()
+
+
 def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: Trace,
                      start: int = 0, tokens: int | None = None, name: str = "trace-worker",
                      events: str | None = None, settle_s: float = 0.5,
-                     token_ms: float = 0.0) -> dict:
-    """Replay ``tokens`` decode steps of ``trace`` from row ``start``; returns the cache
-    manager's stats at the end. ``events``: publish AccessEvents there (after ``settle_s``,
-    the subscribers' time to connect). ``token_ms``: a decode step lasts at least this long
-    (the worker waits out the rest, as for a model's compute)."""
+                     token_ms: float = 0.0, loop: bool = False) -> dict:
+    """Replay ``tokens`` decode steps of ``trace`` from row ``start`` (``loop``: that slice
+    again and again until the process is stopped); returns the cache manager's stats at the
+    end. ``events``: publish AccessEvents there (after ``settle_s``, the subscribers' time to
+    connect). ``token_ms``: a decode step lasts at least this long (the worker waits out the
+    rest, as for a model's compute)."""
     stop = trace.n_tokens if tokens is None else min(trace.n_tokens, start + tokens)
-    stream = TokenStream.of(trace)
     publisher = EventPublisher(config or FlashMoEConfig(), events, f"{name}[{os.getpid()}]") \
         if events else None
     if publisher is not None:
         time.sleep(settle_s)
     try:
         with CacheClient(cache_endpoint, config, name=name) as client:
-            L = trace.num_layers
-            token_started = time.monotonic()
-            for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
-                t = start + offset
-                if layer == 0:
-                    left = token_started + token_ms / 1000 - time.monotonic()
-                    if left > 0:
-                        time.sleep(left)
-                    token_started = time.monotonic()
-                client.acquire(layer, experts, release, stream.input_token[t])
-                if layer == L - 1 and publisher is not None:
-                    probs = trace.probs[t].astype(float).tolist() \
-                        if trace.probs is not None else []
-                    publisher.publish(int(stream.sequence[t]), int(stream.position[t]),
-                                      stream.input_token[t], stream.next_token[t],
-                                      trace.experts[t].tolist(), probs)
+            worker = TraceWorker(client, trace, publisher, token_ms)
+            worker.replay(start, stop)
+            while loop:
+                worker.replay(start, stop)
             client.release()
             stats = client.stats()
     finally:
         if publisher is not None:
             publisher.close()
-    log.info("replayed %d tokens of %s", stop - start, trace.name)
+    log.info("replayed %d tokens of %s", worker.tokens, trace.name)
     return stats

@@ -269,7 +269,9 @@ class Learner:
         meta = {"params": asdict(self.params), "L": self.L, "E": self.E, "dims": self.dims,
                 "features": self.features, "tokens": self.t, "steps": self.steps,
                 "drifts": len(self.drifts), **(extra or {})}
-        (folder / "predictor.json").write_text(json.dumps(meta, indent=1))
+        tmp = folder / "predictor.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.replace(folder / "predictor.json")  # a kill mid-write leaves the last whole one
 
     def load(self, folder: str | Path) -> dict:
         """Weights from a checkpoint of the same shape; returns its JSON."""

@@ -74,7 +74,7 @@ class PredictorService(Service):
         return learner
 
     def on_readable(self, sock: zmq.Socket) -> None:
-        for message in self.receive.drain():
+        for message in self.receive.drain(limit=64):  # then the lock is let go a moment
             if not isinstance(message, FeatureBatch):
                 self.counters["rejected_unexpected"] += 1
                 continue
@@ -85,7 +85,7 @@ class PredictorService(Service):
         missed = self.gaps.observe(batch.source, batch.seq, batch.epoch)
         N = self.layers * self.experts
         try:
-            z = np.frombuffer(batch.per_layer, np.float32).reshape(self.layers, batch.dims)
+            z = np.frombuffer(batch.per_layer, np.float32).reshape(self.layers, batch.dims).copy()
             x = np.frombuffer(batch.per_expert, np.float16).reshape(N, batch.features)
             routing = np.asarray(batch.experts, np.int64)
             if routing.shape[0] != self.layers:

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from common.bus import Publisher, stats
+from common.bus import Publisher, ServiceUnavailable, stats
 from common.config import load_config
 from common.protocol import SCHEMA_VERSION, AccessEvent, encode
 from common.traces import DEFAULT_TRACES_DIR, Trace, load_gptoss20b, save_trace
@@ -81,11 +81,15 @@ def run_worker(launcher, setup, events, tokens=None, token_ms=TOKEN_MS, wait=Tru
     return json.loads(out.read_text())
 
 
-def wait_for(endpoint, condition, timeout_s=30.0, what=""):
+def wait_for(endpoint, condition, timeout_s=60.0, what=""):
     deadline = time.monotonic() + timeout_s
+    current = None
     while True:
-        current = stats(endpoint)
-        if condition(current):
+        try:
+            current = stats(endpoint)
+        except ServiceUnavailable:  # busy (a slow machine): ask again until the deadline
+            current = None
+        if current is not None and condition(current):
             return current
         assert time.monotonic() < deadline, f"timed out waiting for {what}: {current}"
         time.sleep(0.1)

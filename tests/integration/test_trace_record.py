@@ -14,7 +14,7 @@ from common.traces import load_trace
 from flashmoe.cli import main as cli
 from flashmoe.tiny_models import build_tiny_model
 
-FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

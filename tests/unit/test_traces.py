@@ -67,4 +67,6 @@ def test_missing_shared_traces_are_a_clear_error(tmp_path):
     with pytest.raises(TraceError, match="not found"):
         load_trace("gptoss20b:eval", tmp_path)
     with pytest.raises(TraceError, match="split"):
+        load_trace("gptoss20b:valid", tmp_path)
+    with pytest.raises(TraceError, match="not found"):  # fit and dev are splits now
         load_trace("gptoss20b:dev", tmp_path)
