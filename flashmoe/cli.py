@@ -406,6 +406,24 @@ def cmd_deploy(args) -> int:
     return 0 if all(row.ok for row in rows) or args.deploy_command == "up" else 1
 
 
+def cmd_run(args) -> int:
+    from flashmoe.run import format_summary, run
+    from flashmoe.supervisor import SupervisionError
+
+    overrides = ["cache.policy=flashmoe", f"cache.capacity_experts={args.capacity}", *args.set]
+    config = load_config(profile=args.profile, file=args.config, overrides=overrides)
+    try:
+        summary = run(config, Path(args.home), args.store, args.warmup, args.trace,
+                      None if args.loop else args.tokens, args.loop, args.token_ms,
+                      Path(args.traces_dir))
+    except SupervisionError:
+        return 1
+    print(format_summary(summary))
+    if args.json:
+        write_json(summary, args.json)
+    return 0
+
+
 def cmd_config(args) -> int:
     if args.fields:
         for row in describe_fields():
@@ -673,6 +691,24 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "down":
             q.add_argument("--volumes", action="store_true", help="remove the volumes too")
         q.set_defaults(func=cmd_deploy)
+
+    p = sub.add_parser("run", help="the whole system as supervised local processes (the main "
+                                   "job)")
+    p.add_argument("--home", default=".flashmoe/run",
+                   help="where the store and warm-up made on first use are kept")
+    p.add_argument("--store", help="a store (default: a synthetic gpt-oss-20b one, made once)")
+    p.add_argument("--warmup", metavar="CKPT", help="warm-up checkpoint (default: made once)")
+    p.add_argument("--trace", default="gptoss20b:eval", help="the routing the worker replays")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--tokens", type=int, default=300, help="decode steps to run")
+    p.add_argument("--loop", action="store_true", help="go on until Ctrl-C or SIGTERM")
+    p.add_argument("--capacity", type=int, default=192,
+                   help="experts the cache holds (default 192: 25%% of gpt-oss-20b's)")
+    p.add_argument("--token-ms", type=float, default=0.0,
+                   help="a decode step lasts at least this long (a model's pace)")
+    p.add_argument("--json", metavar="FILE", help="write the summary")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

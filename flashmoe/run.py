@@ -1,0 +1,199 @@
+"""`flashmoe run`: the whole system as supervised local processes (the embedded default).
+
+The cache manager, the feature extractor, the predictor and a trace-driven worker run as
+separate processes over ipc sockets in a private runtime folder (``ipc.runtime_dir`` or a
+fresh one); a supervisor restarts whatever dies (with back-off) and Ctrl-C or SIGTERM stops
+everything, leaving no process, socket file or shared-memory arena behind.
+
+What it needs is made on first use, under ``--home`` (default ``.flashmoe/run``): a store of
+random bf16 experts in gpt-oss-20b's shape (``flashmoe synth-store``, at ``DEFAULT_SCALE``: a
+quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkpoint of the
+learned policy (``flashmoe warmup`` on the first ``WARMUP_TOKENS`` tokens of the train split).
+The worker replays the shared gpt-oss-20b trace (eval split) at a model's pace; progress
+(tokens/s, hit rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common.bus import ServiceUnavailable, ipc_endpoint, stats
+from common.config import FlashMoEConfig
+from common.traces import DEFAULT_TRACES_DIR, Trace, load_trace
+from flashmoe.supervisor import ServiceSpec, SupervisionError, Supervisor
+from flashmoe.synth_store import synth_store
+
+DEFAULT_SCALE = 0.03  # ~1.3 GB of experts: made in well under a minute
+WARMUP_TOKENS = 12_000
+PROGRESS_S = 1.0
+
+
+def _first_tokens(trace: Trace, tokens: int) -> Trace:
+    """The whole sequences that fit in the first ``tokens`` tokens (at least one)."""
+    import numpy as np
+
+    count = max(1, int(np.searchsorted(trace.offsets, tokens, side="right")) - 1)
+    end = int(trace.offsets[count])
+    return Trace(f"{trace.name}[:{end}]", trace.experts[:end], trace.offsets[:count + 1],
+                 trace.num_experts, trace.model,
+                 trace.probs[:end] if trace.probs is not None else None,
+                 trace.sequences[:count])
+
+
+def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str | None,
+            traces_dir: Path, say=print) -> tuple[str, str]:
+    """The store and warm-up checkpoint to run with, made when missing."""
+    from flashmoe.learning import warmup as run_warmup
+
+    home.mkdir(parents=True, exist_ok=True)
+    if store is None:
+        path = home / "store"
+        say(f"[run] a store of gpt-oss-20b's shape at scale {DEFAULT_SCALE} in {path} "
+            f"(first use only)")
+        store = str(synth_store(path, "gpt-oss-20b", DEFAULT_SCALE, config.store.block_size,
+                                config.store.parallelism, show_progress=False).path)
+    if warmup is None:
+        path = home / "warmup"
+        if not (path / "predictor.json").is_file():
+            train = _first_tokens(load_trace("gptoss20b:train", traces_dir), WARMUP_TOKENS)
+            say(f"[run] warming the learned policy up on {train.n_tokens} tokens of the train "
+                f"split (first use only)")
+            run_warmup(train, config, path)
+        warmup = str(path)
+    return store, warmup
+
+
+def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | None,
+             loop: bool, token_ms: float, endpoint) -> list[ServiceSpec]:
+    """The processes of a run, in start order; ``endpoint(service)`` names their sockets."""
+    events = f"ipc://{runtime}/worker.events.sock"
+    worker = ["trace-worker", "--cache", endpoint("cache_manager"), "--events", events,
+              "--trace", trace, "--token-ms", str(token_ms)]
+    if loop:
+        worker.append("--loop")
+    elif tokens:
+        worker += ["--tokens", str(tokens)]
+    return [
+        ServiceSpec("predictor", ["serve-predictor", store, "--features",
+                                  endpoint("feature_extractor"), "--checkpoint-dir",
+                                  str(runtime / "predictor-checkpoint"), "--warmup", warmup]),
+        ServiceSpec("feature_extractor", ["serve-features", store, "--events", events,
+                                          "--warmup", warmup]),
+        ServiceSpec("cache_manager", ["serve-cache", store, "--predictions",
+                                      endpoint("predictor")]),
+        ServiceSpec("worker", worker, health_checked=False, exits_when_done=not loop),
+    ]
+
+
+@dataclasses.dataclass
+class Progress:
+    """Figures from the services' control sockets, as differences over time."""
+    layers: int
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    last: dict | None = None
+    last_t: float = 0.0
+    first: dict | None = None
+
+    def sample(self, cache: dict, extractor: dict, predictor: dict) -> dict:
+        now = time.monotonic()
+        current = {"acquire": cache["n_acquire"], "hit": cache["n_hit"], "miss": cache["n_miss"],
+                   "bytes": cache["n_byte_read"], "prefetch_used": cache["prefetch_used"],
+                   "prefetch_issued": cache["prefetch_issued"]}
+        self.first = self.first or current
+        previous, dt = self.last or current, max(now - (self.last_t or now), 1e-9)
+        self.last, self.last_t = current, now
+        delta = {k: current[k] - previous[k] for k in current}
+        accesses = delta["hit"] + delta["miss"]
+        learner = sum(v for k, v in predictor.items() if k.startswith("cpu_ms_")) + \
+            extractor.get("cpu_ms_per_event", 0.0)
+        return {"tokens": current["acquire"] / self.layers,
+                "tokens_per_s": delta["acquire"] / self.layers / dt,
+                "hit_rate": delta["hit"] / accesses if accesses else float("nan"),
+                "ssd_mb_per_s": delta["bytes"] / dt / 1e6,
+                "learner_cpu_ms_per_token": learner, "estimate": cache.get("estimate", "?")}
+
+    def summary(self, cache: dict, extractor: dict, predictor: dict) -> dict:
+        wall = time.monotonic() - self.started
+        first = self.first or {"acquire": 0, "hit": 0, "miss": 0, "bytes": 0}
+        tokens = (cache["n_acquire"] - first["acquire"]) / self.layers
+        hits, misses = cache["n_hit"], cache["n_miss"]
+        return {"tokens": round(tokens, 1), "wall_s": round(wall, 1),
+                "tokens_per_s": round(tokens / wall, 2) if wall else None,
+                "hit_rate": round(hits / max(hits + misses, 1), 4),
+                "stall_free_rate": round(hits / max(hits + misses, 1), 4),
+                "n_hit_loading": cache["n_hit_loading"],
+                "ssd_bytes": cache["n_byte_read"], "prefetch_issued": cache["prefetch_issued"],
+                "prefetch_used": cache["prefetch_used"],
+                "prefetch_wasted": cache["prefetch_wasted"], "engine": cache["engine"],
+                "policy": cache["policy"],
+                "learner_cpu_ms_per_token": round(
+                    sum(v for k, v in predictor.items() if k.startswith("cpu_ms_"))
+                    + extractor.get("cpu_ms_per_event", 0.0), 3),
+                "predictor_drifts": predictor.get("drifts"),
+                "variance_kept": extractor.get("variance_kept")}
+
+
+def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: str | None = None,
+        trace: str = "gptoss20b:eval", tokens: int | None = 200, loop: bool = False,
+        token_ms: float = 0.0, traces_dir: Path = DEFAULT_TRACES_DIR, out=sys.stdout) -> dict:
+    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    store, warmup = prepare(home, config, store, warmup, traces_dir, say)
+    runtime = Path(config.ipc.runtime_dir) if config.ipc.runtime_dir else \
+        Path(tempfile.mkdtemp(prefix="flashmoe-run-"))
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, path=store))
+    layers = len(load_trace(trace, traces_dir).experts[0])
+    stop = {"requested": False}
+
+    def request_stop(*_args):
+        stop["requested"] = True
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    supervisor = None
+    try:
+        specs = services(store, warmup, runtime, trace, tokens, loop, token_ms,
+                         lambda service: ipc_endpoint(runtime, service))
+        supervisor = Supervisor(config, runtime, specs)
+        say(f"[run] runtime folder {runtime}; logs: {runtime}/<service>.log")
+        supervisor.start_all()
+        say(f"[run] services up: {supervisor.pids()}")
+        progress = Progress(layers)
+        endpoints = {name: supervisor.control_endpoint(name)
+                     for name in ("cache_manager", "feature_extractor", "predictor")}
+        latest = None
+        while not stop["requested"] and not supervisor.done:
+            for message in supervisor.poll():
+                say(f"[run] {message}")
+            try:
+                snapshot = {name: stats(endpoint, timeout_s=2.0)
+                            for name, endpoint in endpoints.items()}
+            except ServiceUnavailable:
+                time.sleep(PROGRESS_S)
+                continue
+            latest = snapshot
+            p = progress.sample(snapshot["cache_manager"], snapshot["feature_extractor"],
+                                snapshot["predictor"])
+            say(f"[run] {p['tokens']:8.0f} tokens  {p['tokens_per_s']:6.2f} tok/s  hit "
+                f"{p['hit_rate']:.3f}  SSD {p['ssd_mb_per_s']:7.1f} MB/s  learner "
+                f"{p['learner_cpu_ms_per_token']:.2f} ms/tok  estimate {p['estimate']}")
+            time.sleep(PROGRESS_S)
+        summary = progress.summary(latest["cache_manager"], latest["feature_extractor"],
+                                   latest["predictor"]) if latest else {}
+        summary["restarts"] = supervisor.restarts()
+        return summary
+    except SupervisionError as exc:
+        say(f"[run] stopping: {exc}")
+        raise
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def format_summary(summary: dict) -> str:
+    return "\n".join(f"{key:<26} {value}" for key, value in summary.items())
