@@ -127,7 +127,7 @@ class PredictorConfig:
     window_tokens: int = field(default=32, metadata=_spec(
         "Sliding training window, in tokens (one token is top-k x layers expert accesses).",
         lo=4, hi=4096))
-    train_every_tokens: int = field(default=16, metadata=_spec(
+    train_every_tokens: int = field(default=32, metadata=_spec(
         "Tokens between online training steps.", lo=1, hi=100_000))
     ewc_strength: float = field(default=0.0, metadata=_spec(
         "Weight of the EWC penalty (pull towards the anchored weights) in normal training.",
@@ -164,7 +164,7 @@ class PrefetchConfig:
     inline: bool = field(default=True, metadata=_spec(
         "The cache manager's inline next-layer prefetcher (hints from the current token's "
         "routing).", live=True))
-    threshold: float = field(default=0.5, metadata=_spec(
+    threshold: float = field(default=0.55, metadata=_spec(
         "The inline prefetcher hints an expert whose predicted chance of use reaches this.",
         lo=0.0, hi=1.0, live=True))
 

@@ -214,7 +214,7 @@ class CacheManagerCore:
                                     f"layer {layer} has no expert(s) {unknown}", unknown)
         policy = self.policies[None if self.scope == "global" else layer]
         if self._layer_aware:
-            policy.on_request(layer)
+            policy.on_request(layer, experts)
         prefetched_unused = self.prefetched_unused
         slots: list[int] = []
         new_loads: list[Load] = []

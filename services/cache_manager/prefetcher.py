@@ -27,7 +27,7 @@ FEATURES = 5
 
 @dataclass(frozen=True)
 class PrefetcherParams:
-    threshold: float = 0.5  # hint an expert whose predicted chance of use reaches this
+    threshold: float = 0.55  # hint an expert whose predicted chance of use reaches this
     per_layer: int = 4  # most experts hinted per layer
     alpha: float = 1.0  # weight of the long-run frequency in every smoothed estimate
     lr: float = 0.02

@@ -47,7 +47,7 @@ from .prefetcher import NextLayerPrefetcher, PrefetcherParams
 
 log = logging.getLogger("flashmoe.cache_manager")
 POLL_MS = 100
-PREDICTION_CHECK_S = 0.005  # how often the loop looks for a new Prediction
+PREDICTION_CHECK_S = 0.005  # how often an idle loop looks for a new Prediction and its age
 LATENCY_WINDOW = 10_000
 EXIT_ENGINE_FAILED = 3
 # What a worker and the cache manager must agree on (the handshake compares these sections).
@@ -202,6 +202,7 @@ class CacheManager:
         verifier_fd = self.verifier.fileno()
         poller.register(verifier_fd, zmq.POLLIN)
         read_timeout_s = self.config.io.read_timeout_s
+        predictions = self.predictions
         next_tick = next_prediction_check = time.monotonic()
         try:
             while self.state is State.RUNNING:
@@ -216,6 +217,11 @@ class CacheManager:
                         identity = None
                 with self.lock:
                     try:
+                        # A prediction that arrived is used before the request is served
+                        # (reading the socket's event flags costs less than a poll).
+                        if predictions is not None and \
+                                predictions.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            self.take_predictions()
                         if identity is not None:
                             self.serve_worker_message(identity)
                         # Reads in flight are reaped on every turn of the loop, not only when

@@ -213,12 +213,13 @@ class FeatureExtractor:
 
 class OnlinePCA:
     """Principal components of the per-layer raw vectors, learned online: an exponentially
-    weighted covariance (``decay`` per token), eigendecomposed every ``every`` tokens; each new
-    basis is rotated onto the previous one (orthogonal Procrustes) so that what the predictor
-    sees changes smoothly. ``components=0`` keeps the centred raw vector."""
+    weighted covariance (``decay`` per update), eigendecomposed after 50 updates and every
+    ``every`` updates; each new basis is rotated onto the previous one (orthogonal
+    Procrustes) so that what the predictor sees changes smoothly. ``components=0`` keeps the
+    centred raw vector."""
 
-    def __init__(self, dim: int, components: int, every: int = 1000,
-                 decay: float = 0.9995) -> None:
+    def __init__(self, dim: int, components: int, every: int = 250,
+                 decay: float = 0.998) -> None:
         self.dim, self.k, self.every, self.decay = dim, components, every, decay
         self.mean = np.zeros(dim)
         self.cov = np.zeros((dim, dim))
@@ -239,7 +240,7 @@ class OnlinePCA:
         centred = vectors - self.mean
         self.cov = (1 - a) * self.cov + a * (centred.T @ centred) / len(vectors)
         self.n += 1
-        if self.k and (self.n == 200 or self.n % self.every == 0):
+        if self.k and (self.n == 50 or self.n % self.every == 0):
             self.refit()
 
     def refit(self) -> None:
@@ -247,7 +248,7 @@ class OnlinePCA:
         values, vectors = values[::-1], vectors[:, ::-1]
         self.variance_kept = float(values[:self.k].sum() / max(values.sum(), 1e-12))
         basis = vectors[:, :self.k].T
-        if self.n > 200:
+        if self.n > 50:
             u, _, wt = np.linalg.svd(self.basis @ basis.T)
             basis = (u @ wt) @ basis
         self.basis = basis.astype(np.float32)
@@ -267,6 +268,9 @@ class OnlinePCA:
             self.basis = state["basis"].astype(np.float32)
         n, self.weight, self.variance_kept = state["counters"].tolist()
         self.n = int(n)
+
+
+PCA_EVERY_TOKENS = 4  # the covariance takes one token's vectors in this many
 
 
 class ExtractorCore:
@@ -294,7 +298,8 @@ class ExtractorCore:
         self._expect = (sequence, position + 1)
         raw = fx.raw_vectors(X)
         z = self.pca.project(raw)
-        self.pca.update(raw)
+        if fx.t % PCA_EVERY_TOKENS == 0:
+            self.pca.update(raw)
         return X, z
 
 

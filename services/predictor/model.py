@@ -36,11 +36,11 @@ def bucket_of(distance: np.ndarray) -> np.ndarray:
 
 
 def estimates(PA: np.ndarray, PB: np.ndarray, num_layers: int) -> np.ndarray:
-    """(3, N) S arrays from bucket probabilities PA, PB of shape (N, BUCKETS)."""
-    d0 = 1.0 / (PA @ INV)
-    tail = PA[:, 1:]
-    d1 = 1.0 / ((tail @ INV_SHIFTED) / np.maximum(tail.sum(-1), 1e-9))
-    d2 = 1.0 / (PB @ INV)
+    """(3, N) S arrays from bucket probabilities PA, PB of shape (BUCKETS, N)."""
+    d0 = 1.0 / (INV @ PA)
+    tail = PA[1:]
+    d1 = 1.0 / ((INV_SHIFTED @ tail) / np.maximum(tail.sum(0), 1e-9))
+    d2 = 1.0 / (INV @ PB)
     return (num_layers * (np.stack([d0, d1, d2]) - 1.0)).astype(np.float32)
 
 
@@ -60,7 +60,7 @@ class Net(nn.Module):
             width = dims
         self.head = nn.Parameter(torch.zeros(num_layers, width, out))
         self.skip = nn.Parameter(torch.zeros(features, HEADS * BUCKETS))
-        self.bias = nn.Parameter(torch.zeros(num_layers * num_experts, HEADS * BUCKETS))
+        self.bias = nn.Parameter(torch.zeros(HEADS * BUCKETS, num_layers * num_experts))
 
     def fast_parameters(self) -> list[nn.Parameter]:
         """The per-key bias and the skip weights (a higher learning rate)."""
@@ -70,12 +70,15 @@ class Net(nn.Module):
         return [p for name, p in self.named_parameters() if name not in ("skip", "bias")]
 
     def forward(self, z: torch.Tensor, x: torch.Tensor, state=None):
-        """z (T, L, dims), x (T, N, features) -> logits (T, N, HEADS, BUCKETS), LSTM state."""
-        T = x.shape[0]
-        out = x @ self.skip + self.bias
+        """z (T, L, dims), x (T, N, features) -> logits (T, HEADS, BUCKETS, N), LSTM state.
+        Buckets come before keys: a softmax over a middle dimension of this shape is many
+        times faster than over the last one of the transposed shape."""
+        T, L, E = x.shape[0], self.L, self.E
+        out = torch.einsum("tnf,fo->ton", x, self.skip) + self.bias
         h = z
         if self.lstm is not None:
             h, state = self.lstm(z, state)
         o = torch.einsum("tlh,lho->tlo", h, self.head)
-        out = out + o.reshape(T, self.L * self.E, HEADS * BUCKETS)
-        return out.view(T, self.L * self.E, HEADS, BUCKETS), state
+        out = out + o.view(T, L, HEADS * BUCKETS, E).transpose(1, 2).reshape(
+            T, HEADS * BUCKETS, L * E)
+        return out.view(T, HEADS, BUCKETS, L * E), state

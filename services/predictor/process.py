@@ -79,6 +79,7 @@ class PredictorService(Service):
                 self.counters["rejected_unexpected"] += 1
                 continue
             self.handle_batch(message)
+        self.maybe_publish(time.monotonic())  # as soon as the interval allows, not on a tick
 
     def handle_batch(self, batch: FeatureBatch) -> None:
         self.counters["batches"] += 1
@@ -104,6 +105,14 @@ class PredictorService(Service):
         self.latest = (S, batch.event_seq)
 
     def on_tick(self, now: float) -> None:
+        self.maybe_publish(now)
+        if self.learner is not None and \
+                now - self.last_checkpoint >= self.config.predictor.checkpoint_every_s:
+            self.checkpoint()
+
+    def maybe_publish(self, now: float) -> None:
+        """The newest estimate goes out once ``publish_interval_ms`` has passed since the
+        last one."""
         interval = self.config.predictor.publish_interval_ms / 1000
         if self.latest is not None and now - self.last_publish >= interval:
             S, event_seq = self.latest
@@ -114,9 +123,6 @@ class PredictorService(Service):
             self.counters["predictions"] += 1
             self.latest = None
             self.last_publish = now
-        if self.learner is not None and \
-                now - self.last_checkpoint >= self.config.predictor.checkpoint_every_s:
-            self.checkpoint()
 
     def checkpoint(self) -> None:
         self.learner.save(self.checkpoint_dir)

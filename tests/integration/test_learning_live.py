@@ -123,7 +123,8 @@ def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
     live_rate = live["n_hit"] / (live["n_hit"] + live["n_miss"])
     sim_rate = sim.stats["n_hit"] / accesses
     assert live["n_hit"] + live["n_miss"] == accesses
-    assert abs(live_rate - sim_rate) <= 0.005, (live_rate, sim_rate)
+    assert abs(live_rate - sim_rate) <= 0.005, (live_rate, sim_rate, live["predictions"],
+                                                hooks.published)
 
 
 def test_a_killed_predictor_means_lru_then_a_resumed_predictor(setup, tmp_path):

@@ -48,8 +48,8 @@ class EvictionPolicy(ABC):
     def configure(self, layers: list[int], num_experts: int) -> None:
         """The key space, (layer, expert) pairs; the cache manager's core tells every policy."""
 
-    def on_request(self, layer: int) -> None:
-        """A request for one layer's experts begins (the core calls it for ``needs_core``
+    def on_request(self, layer: int, experts: list[int] = ()) -> None:
+        """A request for ``experts`` of ``layer`` begins (the core calls it for ``needs_core``
         policies, before the request's keys)."""
 
     @abstractmethod

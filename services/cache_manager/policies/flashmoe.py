@@ -61,13 +61,13 @@ class FlashMoEPolicy(ScoredPolicy):
 
     def _rank(self, count: int) -> list[int]:
         if self.fallback:
-            idx = np.flatnonzero(self.resident)
+            idx = self._candidates()
             order = np.argsort(self.last_use[idx], kind="stable")[:count]
             return idx[order].tolist()
         share = self.params.hybrid_share
         if not share:
             return super()._rank(count)
-        idx = np.flatnonzero(self.resident)
+        idx = self._candidates()
         score = self.scores()[idx] * TIE_SCALE - self.last_use[idx]
         kept = int(share * len(idx))
         exposed = idx[np.argsort(score, kind="stable")[kept:]]  # the lowest scores are kept

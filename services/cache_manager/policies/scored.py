@@ -60,13 +60,16 @@ class ScoredPolicy(EvictionPolicy):
         self.layer = -1
         self.clock = 0.0
         self._ranked: list[int] | None = None  # eviction order, best first, for this request
+        self._requested: list[int] = []  # the experts of the request being served
 
     def _index(self, key: Key) -> int:
         layer, expert = key
         return layer * self.num_experts + expert
 
-    def on_request(self, layer: int) -> None:
-        """A request for ``layer`` begins; a layer at or before the last one starts a token."""
+    def on_request(self, layer: int, experts: list[int] = ()) -> None:
+        """A request for ``experts`` of ``layer`` begins; a layer at or before the last one
+        starts a token. The request's own experts are needed now: none of them is a victim
+        while it is served (the core pins each as it comes to it; this covers the rest)."""
         if not self.num_experts:
             raise PolicyError(f"{self.name}: needs the cache manager's core (the layer order "
                               f"and the key space); the per-request replay cannot run it")
@@ -74,6 +77,7 @@ class ScoredPolicy(EvictionPolicy):
             self.token += 1
             self.refresh()
         self.layer = layer
+        self._requested = [layer * self.num_experts + e for e in experts]
         self._ranked = None
 
     def refresh(self) -> None:
@@ -112,9 +116,17 @@ class ScoredPolicy(EvictionPolicy):
         estimate = np.where(self._visited[self.layer], np.where(used, S[2], S[1]), S[0])
         return self._d[self.layer] + estimate
 
+    def _candidates(self) -> np.ndarray:
+        """Residents that may be evicted: not an expert of the request being served."""
+        if not self._requested:
+            return np.flatnonzero(self.resident)
+        mask = self.resident.copy()
+        mask[self._requested] = False
+        return np.flatnonzero(mask)
+
     def _rank(self, count: int) -> list[int]:
         """The ``count`` best victims among the residents, best first."""
-        idx = np.flatnonzero(self.resident)
+        idx = self._candidates()
         count = min(count, len(idx))
         if count <= 0:
             return []
