@@ -5,7 +5,7 @@ setup:
 	./scripts/setup.sh
 
 run: setup
-	.venv/bin/flashmoe demo
+	.venv/bin/flashmoe run
 
 test: setup
 	.venv/bin/python -m pytest

@@ -240,9 +240,10 @@ def cmd_warmup(args) -> int:
     from flashmoe.learning import warmup
 
     trace = load_trace(args.trace, Path(args.traces_dir))
-    with tqdm(total=trace.n_tokens, unit="tok", desc="warmup",
+    with tqdm(total=trace.n_tokens * args.passes, unit="tok", desc="warmup",
               disable=True if args.quiet else None) as bar:
-        summary = warmup(trace, _config(args), args.out, progress=bar.update)
+        summary = warmup(trace, _config(args), args.out, progress=bar.update,
+                         passes=args.passes)
     print(json.dumps(summary))
     print(f"wrote {args.out}")
     return 0
@@ -264,9 +265,14 @@ def cmd_trace_worker(args) -> int:
     trace = load_trace(args.trace, Path(args.traces_dir))
     config = _config(args) if (args.config or args.set or args.profile) else None
     stats = run_trace_worker(config, args.cache, trace, args.start, args.tokens,
-                             events=args.events, token_ms=args.token_ms, loop=args.loop)
+                             events=args.events, token_ms=args.token_ms, loop=args.loop,
+                             compute=args.compute)
     keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read")
     print(json.dumps({k: stats[k] for k in keys}))
+    if stats["token_ms"]:
+        ms = sorted(stats["token_ms"])
+        print(f"{len(ms)} tokens, {1e3 * len(ms) / sum(ms):.2f} tokens/s, p50 "
+              f"{ms[len(ms) // 2]:.1f} ms")
     if args.json:
         write_json(stats, args.json)
     return 0
@@ -422,6 +428,38 @@ def cmd_run(args) -> int:
     if args.json:
         write_json(summary, args.json)
     return 0
+
+
+def cmd_e2e_bench(args) -> int:
+    from flashmoe import e2e_bench
+
+    workdir = Path(args.workdir)
+    warmup = args.warmup
+    if warmup is None and "flashmoe" in args.modes:
+        from common.traces import load_trace
+        from flashmoe.learning import warmup as run_warmup
+
+        warmup = str(workdir / "warmup")
+        if not (Path(warmup) / "predictor.json").is_file():
+            print("[e2e] warming the learned policy up on the train split (first use only)")
+            run_warmup(load_trace("gptoss20b:train", Path(args.traces_dir)),
+                       load_config(env={}), warmup)
+    report = e2e_bench.e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds,
+                                 args.modes, warmup, shape=args.shape)
+    print(e2e_bench.format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        e2e_bench.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_flat_worker(args) -> int:
+    from flashmoe.e2e_bench import main_flat_worker
+
+    return main_flat_worker(args)
 
 
 def cmd_config(args) -> int:
@@ -587,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="gptoss20b:train")
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--passes", type=int, default=2, help="online passes over the trace")
     p.add_argument("--quiet", action="store_true")
     _add_config_flags(p)
     p.set_defaults(func=cmd_warmup)
@@ -614,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make each decode step last at least this long (a model's pace)")
     p.add_argument("--loop", action="store_true", help="replay the slice again and again "
                                                        "until stopped")
+    p.add_argument("--compute", action="store_true",
+                   help="run each layer's experts on the fetched weights (real matrix work)")
     _add_config_flags(p)
     p.set_defaults(func=cmd_trace_worker)
 
@@ -709,6 +750,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the summary")
     _add_config_flags(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("e2e-bench", help="tokens/s end to end on real IO: flashmoe, lru, the "
+                                         "mmap page-cache way, all in RAM")
+    p.add_argument("--workdir", default=".flashmoe/e2e", help="store, expert file, warm-up")
+    p.add_argument("--scale", type=float, default=0.21,
+                   help="gpt-oss-20b expert size multiplier (0.21: an ~8 GB store)")
+    p.add_argument("--shape", default="gpt-oss-20b", help="gpt-oss-20b, or gpt-oss-tiny (tests)")
+    p.add_argument("--budget", type=_csv(float), default=[0.25],
+                   help="RAM budget(s) as fractions of all experts' bytes")
+    p.add_argument("--tokens", type=int, default=200, help="decode steps of the eval split")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode")
+    p.add_argument("--modes", type=_csv(str), default=["flashmoe", "lru", "mmap", "ram"])
+    p.add_argument("--warmup", metavar="CKPT",
+                   help="the learned policy's warm-up (default: made from train, once)")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.set_defaults(func=cmd_e2e_bench)
+
+    p = sub.add_parser("flat-worker", help=argparse.SUPPRESS)
+    p.add_argument("--file", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--trace", default="gptoss20b:eval")
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--in-ram", action="store_true")
+    p.add_argument("--cgroup", default="", help="join this memory cgroup after start-up")
+    p.add_argument("--json", required=True)
+    p.set_defaults(func=cmd_flat_worker)
 
     p = sub.add_parser("config", help="print the effective config (or --fields: every field)")
     p.add_argument("--fields", action="store_true")

@@ -47,24 +47,36 @@ class EventPublisher:
 
 
 class TraceWorker:
-    """Replays a trace's routing through a CacheClient at a model's pace."""
+    """Replays a trace's routing through a CacheClient at a model's pace; with ``compute``
+    (a ``TraceExperts``) each layer's experts also run on the fetched weights."""
 
     def __init__(self, client: CacheClient, trace: Trace, publisher: EventPublisher | None,
-                 token_ms: float = 0.0) -> None:
+                 token_ms: float = 0.0, compute=None) -> None:
         self.client, self.trace, self.publisher = client, trace, publisher
         self.stream = TokenStream.of(trace)
-        self.token_ms = token_ms
+        self.pace_ms = token_ms
+        self.compute = compute
         self.tokens = 0
+        self.token_ms: list[float] = []  # how long each decode step took
         self._token_started = time.monotonic()
 
     def replay(self, start: int, stop: int) -> None:
         trace, stream, client = self.trace, self.stream, self.client
         last = trace.num_layers - 1
+        compute, hidden = self.compute, None
+        k = trace.top_k
         for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
             t = start + offset
             if layer == 0:
                 self._pace()
-            client.acquire(layer, experts, release, stream.input_token[t])
+                if compute is not None:
+                    hidden = compute.new_token(stream.input_token[t])
+            if compute is None:
+                client.acquire(layer, experts, release, stream.input_token[t])
+            else:  # the acquire happens inside, with the same release
+                weights = trace.probs[t, layer].astype(float).tolist() \
+                    if trace.probs is not None else [1.0 / k] * k
+                hidden = compute.step(hidden, layer, experts, weights)
             if layer == last:
                 self.tokens += 1
                 if self.publisher is not None:
@@ -75,21 +87,30 @@ class TraceWorker:
                                            trace.experts[t].tolist(), probs)
 
     def _pace(self) -> None:
-        left = self._token_started + self.token_ms / 1000 - time.monotonic()
+        now = time.monotonic()
+        if self.tokens:
+            self.token_ms.append((now - self._token_started) * 1e3)
+        left = self._token_started + self.pace_ms / 1000 - now
         if left > 0:
             time.sleep(left)
         self._token_started = time.monotonic()
+
+    def finish(self) -> None:
+        """The last step's time."""
+        if self.tokens > len(self.token_ms):
+            self.token_ms.append((time.monotonic() - self._token_started) * 1e3)
 
 
 def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: Trace,
                      start: int = 0, tokens: int | None = None, name: str = "trace-worker",
                      events: str | None = None, settle_s: float = 0.5,
-                     token_ms: float = 0.0, loop: bool = False) -> dict:
+                     token_ms: float = 0.0, loop: bool = False, compute: bool = False) -> dict:
     """Replay ``tokens`` decode steps of ``trace`` from row ``start`` (``loop``: that slice
     again and again until the process is stopped); returns the cache manager's stats at the
     end. ``events``: publish AccessEvents there (after ``settle_s``, the subscribers' time to
     connect). ``token_ms``: a decode step lasts at least this long (the worker waits out the
-    rest, as for a model's compute)."""
+    rest, as for a model's compute). ``compute``: run each layer's experts on the fetched
+    weights (transformers' eager code), as a model would."""
     stop = trace.n_tokens if tokens is None else min(trace.n_tokens, start + tokens)
     publisher = EventPublisher(config or FlashMoEConfig(), events, f"{name}[{os.getpid()}]") \
         if events else None
@@ -97,12 +118,19 @@ def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: 
         time.sleep(settle_s)
     try:
         with CacheClient(cache_endpoint, config, name=name) as client:
-            worker = TraceWorker(client, trace, publisher, token_ms)
+            experts = None
+            if compute:
+                from .generate import arena_fetch
+                from .trace_compute import TraceExperts
+
+                experts = TraceExperts(client.store.path, arena_fetch(client))
+            worker = TraceWorker(client, trace, publisher, token_ms, experts)
             worker.replay(start, stop)
             while loop:
                 worker.replay(start, stop)
+            worker.finish()
             client.release()
-            stats = client.stats()
+            stats = {**client.stats(), "token_ms": [round(ms, 3) for ms in worker.token_ms]}
     finally:
         if publisher is not None:
             publisher.close()

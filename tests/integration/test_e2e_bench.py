@@ -1,0 +1,38 @@
+"""`flashmoe e2e-bench` end to end on a tiny store: every mode runs on real files, the JSON has
+the promised keys, the mmap mode is held to its budget by a memory cgroup (or is skipped with
+the reason). No timing is asserted."""
+
+import json
+
+import pytest
+
+from common.config import load_config
+from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
+from flashmoe import e2e_bench
+from flashmoe.learning import warmup
+
+pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
+                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+KEYS = {"mode", "budget_fraction", "tokens_per_s", "ms_per_token_p50", "ms_per_token_p99",
+        "ssd_mb_per_s", "bytes_read", "peak_pss_bytes", "stall_free_rate"}
+
+
+def test_every_mode_runs_and_reports(tmp_path):
+    from tests.integration.test_learning_live import sequences_slice
+
+    ckpt = tmp_path / "warmup"
+    warmup(sequences_slice(load_gptoss20b("train"), "train-slice", 0, 2), load_config(env={}),
+           ckpt, passes=1)
+    report = e2e_bench.e2e_bench(tmp_path / "work", 1.0, [0.25], 12, 1,
+                                 ["flashmoe", "lru", "mmap", "ram"], str(ckpt),
+                                 shape="gpt-oss-tiny")
+    modes = {r["mode"]: r for r in report["results"]}
+    if "mmap" in report["skipped"]:
+        assert "cgroup" in report["skipped"]["mmap"]
+    assert set(modes) | set(report["skipped"]) == {"flashmoe", "lru", "mmap", "ram"}
+    for mode, row in modes.items():
+        assert KEYS <= set(row) and row["tokens_per_s"] > 0 and row["peak_pss_bytes"] > 0
+        assert (row["stall_free_rate"] is None) == (mode in ("mmap", "ram"))
+    assert modes["lru"]["bytes_read"] > 0 and modes["flashmoe"]["bytes_read"] > 0
+    text = e2e_bench.format_table(report)
+    assert "flashmoe" in text and json.dumps(report)
