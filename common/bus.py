@@ -8,8 +8,9 @@
   service can drop what that peer held.
 - ``handshake_mismatch``: the HELLO/READY config check, per section.
 - ``SeqGaps``, ``Publisher``, ``Subscriber``: sequence-numbered PUB/SUB with gap counting.
-- ``ControlServer`` / ``control_request``: every service's control socket (health, stats,
-  later tuning), apart from the hot path; health checks never count as workers.
+- ``ControlServer`` / ``control_request``: every service's control socket (health, stats, its
+  effective config, live tuning), apart from the hot path; health checks never count as
+  workers.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Any, Callable, Mapping
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from common.config import FlashMoEConfig, differing_sections
-from common.protocol import (ControlReply, ControlRequest, Dead, Decoder, HealthRep, HealthReq,
-                             Message, ProtocolError, Rejected, StatsRep, StatsReq, encode)
+from common.config import (ConfigError, FlashMoEConfig, check_value, differing_sections,
+                           field_spec)
+from common.protocol import (ConfigRep, ConfigReq, ControlReply, ControlRequest, Dead, Decoder,
+                             HealthRep, HealthReq, Message, ProtocolError, Rejected,
+                             ResidencyRep, ResidencyReq, StatsRep, StatsReq, TuneRep, TuneReq,
+                             encode)
 
 log = logging.getLogger("flashmoe.bus")
 
@@ -254,17 +258,31 @@ class Subscriber:
 
 # --- control socket ----------------------------------------------------------------------------
 
+# ``tune(changes, check)``: a service's live-tuning hook. ``changes`` maps "section.field" to
+# values already checked against common/config.py (live fields only); it returns the keys the
+# service uses live (applied, unless ``check``) and {key: reason} for those it uses but cannot
+# take now. Keys in neither are not read by that service.
+TuneHook = Callable[[dict[str, Any], bool], tuple[list[str], dict[str, str]]]
+
+
 class ControlServer:
     """A service's control socket (ROUTER), served on a thread of its own, apart from the
-    hot path: health and stats today, tuning later. Handlers run under ``lock``, which the
-    service's loop holds while it changes its state, so a snapshot is consistent and the
-    loop never waits on a control client. Its peers are never workers."""
+    hot path: health, stats, the service's effective config and live tuning (``tune``; a
+    service without the hook answers that it takes no live change). Handlers run under
+    ``lock``, which the service's loop holds while it changes its state, so a snapshot is
+    consistent and the loop never waits on a control client. Its peers are never workers.
+
+    ``config`` is the service's own config object: a tuning change the service applied is
+    written into it, so that ``ConfigReq`` answers what the service runs with."""
 
     def __init__(self, ctx: zmq.Context, config: FlashMoEConfig, endpoint: str, service: str,
                  stats: Callable[[], dict], state: Callable[[], str], lock: threading.Lock,
-                 extra: Mapping[type, Callable[[Message], Message]] | None = None) -> None:
+                 extra: Mapping[type, Callable[[Message], Message]] | None = None,
+                 tune: TuneHook | None = None) -> None:
         self.endpoint = endpoint
         self.service = service
+        self.config = config
+        self._tune = tune
         self.counters: Counter = Counter()
         self.inbox = Inbox(ControlRequest, config.ipc.max_message_bytes, self.counters,
                            f"{service} control")
@@ -329,8 +347,44 @@ class ControlServer:
         with self._lock:
             if isinstance(message, StatsReq):
                 return StatsRep(message.seq, self._stats())
+            if isinstance(message, ConfigReq):
+                return ConfigRep(message.seq, self.config.to_dict())
+            if isinstance(message, TuneReq):
+                return self._answer_tune(message)
             handler = self._extra.get(type(message))
-            return handler(message) if handler is not None else None
+            if handler is None:
+                return Rejected("unsupported", f"{self.service} does not answer "
+                                               f"{type(message).__name__}")
+            return handler(message)
+
+    def _answer_tune(self, message: TuneReq) -> TuneRep:
+        """Check every change again (the sender is a peer, not a validator), hand the live
+        ones to the service's hook, and write what it applied into its config."""
+        valid, refused = {}, {}
+        for key, value in message.changes.items():
+            try:
+                checked = check_value(key, value, f"a tuning request to {self.service}")
+                spec = field_spec(*key.split(".", 1))[1]
+            except ConfigError as exc:
+                refused[key] = str(exc)
+                continue
+            if not spec["live"]:
+                why = spec["fixed_because"] or "restart the services to change it"
+                refused[key] = f"{key} is not live: {why}"
+                continue
+            valid[key] = checked
+        if self._tune is None:
+            return TuneRep(message.seq, False, [], refused)
+        applied, hook_refused = self._tune(valid, message.check)
+        refused.update(hook_refused)
+        if not message.check:
+            for key in applied:
+                section, name = key.split(".", 1)
+                setattr(getattr(self.config, section), name, valid[key])
+            if applied:
+                log.info("%s: tuned %s", self.service,
+                         ", ".join(f"{key}={valid[key]!r}" for key in applied))
+        return TuneRep(message.seq, True, list(applied), refused)
 
     def close(self) -> None:
         self._stop.set()
@@ -372,3 +426,30 @@ def stats(endpoint: str, timeout_s: float = 5.0) -> dict:
     if not isinstance(reply, StatsRep):
         raise ServiceUnavailable(f"{endpoint}: unexpected answer {reply!r}")
     return dict(reply.stats)
+
+
+def service_config(endpoint: str, timeout_s: float = 5.0) -> dict:
+    """The effective config a running service uses (live changes included), as a dict."""
+    reply = control_request(endpoint, ConfigReq(0), timeout_s)
+    if not isinstance(reply, ConfigRep):
+        raise ServiceUnavailable(f"{endpoint}: unexpected answer {reply!r}")
+    return dict(reply.config)
+
+
+def tune(endpoint: str, changes: Mapping[str, Any], check: bool = False,
+         timeout_s: float = 5.0) -> TuneRep:
+    """Ask a running service to take live config changes (``check``: only ask whether it
+    would)."""
+    reply = control_request(endpoint, TuneReq(0, dict(changes), check), timeout_s)
+    if not isinstance(reply, TuneRep):
+        raise ServiceUnavailable(f"{endpoint}: unexpected answer {reply!r}")
+    return reply
+
+
+def residency(endpoint: str, timeout_s: float = 5.0) -> ResidencyRep:
+    """Which experts are resident and how often each was asked for (a cache manager that
+    answers ``ResidencyReq``); ServiceUnavailable when it does not."""
+    reply = control_request(endpoint, ResidencyReq(0), timeout_s)
+    if not isinstance(reply, ResidencyRep):
+        raise ServiceUnavailable(f"{endpoint}: {getattr(reply, 'message', repr(reply))}")
+    return reply

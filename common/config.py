@@ -34,11 +34,14 @@ class ConfigError(ValueError):
 
 def _spec(doc: str, lo: float | None = None, hi: float | None = None,
           choices: tuple | None = None, size: bool = False, multiple_of: int | None = None,
-          live: bool = False) -> dict:
+          live: bool = False, fixed_because: str = "", secret: bool = False) -> dict:
     """Field metadata. ``live``: the running services may change it without a restart, so it
-    is left out of the handshake digests (peers with different live values still connect)."""
+    is left out of the handshake digests (peers with different live values still connect).
+    ``fixed_because``: why a field that is not live cannot change while running (what the
+    control panel answers when asked to). ``secret``: never shown by the control panel."""
     return {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "size": size,
-            "multiple_of": multiple_of, "live": live}
+            "multiple_of": multiple_of, "live": live, "fixed_because": fixed_because,
+            "secret": secret}
 
 
 def parse_size(text: str | int) -> int:
@@ -57,7 +60,8 @@ class StoreConfig:
     path: str = field(default="", metadata=_spec("Expert store folder made by `flashmoe convert`."))
     block_size: int = field(default=256 * KIB, metadata=_spec(
         "Bytes per store block (one SSD read).", lo=4 * KIB, hi=16 * MIB, size=True,
-        multiple_of=4096))
+        multiple_of=4096, fixed_because="the store's blocks are cut at this size when it is "
+        "converted: re-run `flashmoe convert` with the new size, then restart"))
     parallelism: int = field(default=4, metadata=_spec(
         "Number of stripe files; global block b lives in stripe b % parallelism.", lo=1, hi=64))
 
@@ -85,7 +89,8 @@ class CacheConfig:
         "unknown key is an error). On the command line: a JSON object."))
     capacity_experts: int = field(default=64, metadata=_spec(
         "Arena slots (experts resident at once); the arena is this many slots.", lo=1,
-        hi=1 << 20))
+        hi=1 << 20, fixed_because="the arena's shared memory is sized at start: restart the "
+        "services to change it"))
     scope: str = field(default="global", metadata=_spec(
         "global: one budget over all layers; layer: one budget per layer.",
         choices=("global", "layer")))
@@ -160,13 +165,25 @@ class PrefetchConfig:
         hi=256, live=True))
     budget: int = field(default=8, metadata=_spec(
         "Most prefetch loads in flight at once, in experts; a hard cap set at start.",
-        lo=0, hi=256))
+        lo=0, hi=256, fixed_because="a hard cap set at start: restart the services to change "
+        "it"))
     inline: bool = field(default=True, metadata=_spec(
         "The cache manager's inline next-layer prefetcher (hints from the current token's "
         "routing).", live=True))
     threshold: float = field(default=0.55, metadata=_spec(
         "The inline prefetcher hints an expert whose predicted chance of use reaches this.",
         lo=0.0, hi=1.0, live=True))
+
+
+@dataclass
+class PanelConfig:
+    port: int = field(default=8470, metadata=_spec(
+        "TCP port of the control panel, on 127.0.0.1 (0: any free port; the URL is printed at "
+        "start).", lo=0, hi=65535))
+    token: str = field(default="", metadata=_spec(
+        "Token that changes through the control panel must carry (header `Authorization: "
+        "Bearer <token>` or `X-FlashMoE-Token`); empty: one is generated at start and printed.",
+        secret=True))
 
 
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.
@@ -191,6 +208,7 @@ class FlashMoEConfig:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    panel: PanelConfig = field(default_factory=PanelConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,7 +265,7 @@ def field_spec(section: str, name: str) -> tuple[dataclasses.Field, dict]:
 
 
 def _coerce(f: dataclasses.Field, spec: dict, value: Any, where: str) -> Any:
-    key_type = f.type if isinstance(f.type, str) else f.type.__name__
+    key_type = field_type(f)
     try:
         if spec.get("size"):
             return parse_size(value)
@@ -290,11 +308,8 @@ def _check(spec: dict, value: Any, where: str) -> None:
 
 
 def _assign(cfg: FlashMoEConfig, section: str, name: str, value: Any, origin: str) -> None:
-    f, spec = field_spec(section, name)
-    where = f"{section}.{name} (from {origin})"
-    coerced = _coerce(f, spec, value, where)
-    _check(spec, coerced, where)
-    setattr(getattr(cfg, section), name, coerced)
+    checked = check_value(f"{section}.{name}", value, origin)
+    setattr(getattr(cfg, section), name, checked)
 
 
 def load_config(profile: str | None = None, file: str | os.PathLike | None = None,
@@ -345,6 +360,24 @@ def load_config(profile: str | None = None, file: str | os.PathLike | None = Non
     return cfg
 
 
+def check_value(key: str, value: Any, origin: str) -> Any:
+    """``value`` for the field ``key`` (``section.field``), coerced and checked as at start;
+    raises ConfigError naming the field, its range or choices, and ``origin``."""
+    section, dot, name = key.partition(".")
+    if not dot:
+        raise ConfigError(f"{key!r}: expected section.field")
+    f, spec = field_spec(section, name)
+    where = f"{key} (from {origin})"
+    coerced = _coerce(f, spec, value, where)
+    _check(spec, coerced, where)
+    return coerced
+
+
+def field_type(f: dataclasses.Field) -> str:
+    """The field's value type as a name: bool, int, float, str or dict."""
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
 def describe_fields() -> list[dict[str, Any]]:
     """Every tunable field with its doc, default and bounds (CLI help, control panel)."""
     rows = []
@@ -352,8 +385,10 @@ def describe_fields() -> list[dict[str, Any]]:
     for section in SECTIONS:
         for f in dataclasses.fields(type(getattr(default, section))):
             spec = f.metadata
-            rows.append({"key": f"{section}.{f.name}",
+            rows.append({"key": f"{section}.{f.name}", "type": field_type(f),
                          "default": getattr(getattr(default, section), f.name),
                          "doc": spec["doc"], "lo": spec.get("lo"), "hi": spec.get("hi"),
-                         "choices": spec.get("choices"), "live": spec["live"]})
+                         "choices": spec.get("choices"), "size": spec["size"],
+                         "multiple_of": spec.get("multiple_of"), "live": spec["live"],
+                         "fixed_because": spec["fixed_because"], "secret": spec["secret"]})
     return rows

@@ -19,14 +19,15 @@ Sockets and the unions they accept:
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 # 2: AcquireReq.release_layers (per-layer pins), PrefetchHint, Release.layers, per-section
 #    config digests in Hello/Ready, the control socket's Health messages.
 # 3: the learning path's AccessEvent, FeatureBatch, Prediction; AcquireReq.token.
-SCHEMA_VERSION = 3
+# 4: the control socket's ConfigReq/Rep, TuneReq/Rep and ResidencyReq/Rep (the control panel).
+SCHEMA_VERSION = 4
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
@@ -105,7 +106,7 @@ class StatsRep(Message):
 
 
 class Rejected(Message):
-    # malformed | wrong_version | oversized | unexpected | config_mismatch
+    # malformed | wrong_version | oversized | unexpected | config_mismatch | unsupported
     code: ShortText
     message: ShortText
 
@@ -178,11 +179,50 @@ class HealthRep(Message):
     uptime_s: float
 
 
+class ConfigReq(Message):
+    seq: NonNeg
+
+
+class ConfigRep(Message):
+    seq: NonNeg
+    config: dict[str, Any]  # the service's FlashMoEConfig.to_dict(), live changes included
+
+
+ConfigValue = Union[bool, int, float, ShortText]
+
+
+class TuneReq(Message):
+    seq: NonNeg
+    # "section.field" -> new value; checked again by the receiver against common/config.py
+    changes: Annotated[dict[ShortText, ConfigValue], msgspec.Meta(max_length=256)]
+    check: bool = False  # True: only say what would be applied or refused; nothing changes
+
+
+class TuneRep(Message):
+    seq: NonNeg
+    supported: bool  # False: this service takes no live change at all (yet)
+    applied: list[ShortText]  # the keys this service uses live (applied, unless check)
+    refused: dict[ShortText, ShortText]  # key -> why this service cannot take it now
+    # keys in neither list are not read by this service
+
+
+class ResidencyReq(Message):
+    seq: NonNeg
+
+
+class ResidencyRep(Message):
+    seq: NonNeg
+    layers: list[NonNeg]  # MoE layer ids, in the order of the rows below
+    experts_per_layer: NonNeg
+    resident: bytes  # uint8 (layers, experts_per_layer): 1 resident or loading, 0 not
+    popularity: bytes  # float32 (layers, experts_per_layer): requests for each expert so far
+
+
 WorkerToCache = Union[Hello, AcquireReq, PrefetchHint, Release, StatsReq]
 CacheToWorker = Union[Ready, AcquireRep, AcquireError, Released, StatsRep, Rejected, Dead]
 LearningMessage = Union[AccessEvent, FeatureBatch, Prediction]
-ControlRequest = Union[HealthReq, StatsReq]
-ControlReply = Union[HealthRep, StatsRep, Rejected, Dead]
+ControlRequest = Union[HealthReq, StatsReq, ConfigReq, TuneReq, ResidencyReq]
+ControlReply = Union[HealthRep, StatsRep, ConfigRep, TuneRep, ResidencyRep, Rejected, Dead]
 
 
 class ProtocolError(ValueError):

@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
@@ -77,6 +77,14 @@ class Service:
         return {**self.counters, "state": self.state.value, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 3)}
 
+    def tune(self, changes: dict[str, Any], check: bool) -> tuple[list[str], dict[str, str]]:
+        """Live config changes (``section.field`` -> a value checked against common/config.py,
+        live fields only), on the control thread under ``self.lock``: returns the keys this
+        service uses (applied unless ``check``) and {key: reason} for those it cannot take
+        now; keys it does not read are left out of both. The control server then writes the
+        applied values into ``self.config``. The base service reads no live field."""
+        return [], {}
+
     def close_sockets(self) -> None:
         for sock in self.sockets():
             sock.close()
@@ -90,7 +98,7 @@ class Service:
     def run(self) -> None:
         self.control = ControlServer(self.ctx, self.config, self.control_endpoint, self.name,
                                      stats=self.stats, state=lambda: self.state.value,
-                                     lock=self.lock)
+                                     lock=self.lock, tune=self.tune)
         poller = zmq.Poller()
         for sock in self.sockets():
             poller.register(sock, zmq.POLLIN)

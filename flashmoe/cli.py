@@ -188,6 +188,16 @@ def cmd_serve_predictor(args) -> int:
                                  control, args.checkpoint_dir, args.warmup)
 
 
+def cmd_serve_panel(args) -> int:
+    from services.control_panel.process import run_panel_process
+
+    config = _config(args)
+    services = dict(item.split("=", 1) for item in args.service)
+    return run_panel_process(config, Path(args.runtime_dir) if args.runtime_dir else None,
+                             args.host, config.panel.port if args.port is None else args.port,
+                             services)
+
+
 def cmd_build_helper(args) -> int:
     from services.cache_manager.io_engine import build_helper
 
@@ -239,6 +249,18 @@ def cmd_warmup(args) -> int:
     from common.traces import load_trace
     from flashmoe.learning import warmup
 
+    if args.text:
+        from flashmoe.text_warmup import warmup_from_text
+
+        if not args.store:
+            print("flashmoe warmup --text needs --store (the model that reads the text)",
+                  file=sys.stderr)
+            return 2
+        summary = warmup_from_text(args.store, args.text, args.out, _config(args, args.store),
+                                   max_tokens=args.max_tokens, passes=args.passes)
+        print(json.dumps(summary))
+        print(f"wrote {args.out}")
+        return 0
     trace = load_trace(args.trace, Path(args.traces_dir))
     with tqdm(total=trace.n_tokens * args.passes, unit="tok", desc="warmup",
               disable=True if args.quiet else None) as bar:
@@ -388,6 +410,14 @@ def cmd_health(args) -> int:
         return 1
     print(f"{reply.service} pid {reply.pid}: {reply.state}, up {reply.uptime_s:.1f} s")
     return 0 if reply.state == "running" else 1
+
+
+def cmd_doctor(args) -> int:
+    from flashmoe.doctor import FAIL, doctor, format_checks
+
+    checks = doctor(_config(args), args.store)
+    print(format_checks(checks))
+    return 1 if any(c.verdict == FAIL for c in checks) else 0
 
 
 def cmd_deploy(args) -> int:
@@ -570,6 +600,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(func=cmd_serve_predictor)
 
+    p = sub.add_parser("serve-panel", help="run the control panel (web page, JSON API, "
+                                           "Prometheus metrics) over the services' control "
+                                           "sockets")
+    p.add_argument("--runtime-dir", help="the services' runtime folder: every "
+                                         "<service>.control.sock in it is asked")
+    p.add_argument("--service", action="append", default=[], metavar="NAME=ENDPOINT",
+                   help="a service's control endpoint, besides the runtime folder's")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback: the panel retunes services)")
+    p.add_argument("--port", type=int, help="TCP port (default panel.port; 0 = any free one)")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_serve_panel)
+
     p = sub.add_parser("build-helper", help="compile the io_uring C helper")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_build_helper)
@@ -626,6 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--passes", type=int, default=2, help="online passes over the trace")
+    p.add_argument("--store", help="with --text: the store whose model reads the text")
+    p.add_argument("--text", help="a text file: run the store's model over it, record its "
+                                  "routing and train on that (instead of --trace)")
+    p.add_argument("--max-tokens", type=int, help="with --text: read at most this many tokens")
     p.add_argument("--quiet", action="store_true")
     _add_config_flags(p)
     p.set_defaults(func=cmd_warmup)
@@ -706,6 +753,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     _add_config_flags(p)
     p.set_defaults(func=cmd_ablations)
+
+    p = sub.add_parser("doctor", help="check io_uring, O_DIRECT, memlock, /dev/shm, the kernel "
+                                      "and the SSD's power state; each with a fix")
+    p.add_argument("store", nargs="?", help="the store to check (O_DIRECT, the arena's size)")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("health", help="a health check: one round trip on a service's control "
                                       "socket (exit 0 when it is running)")

@@ -11,11 +11,17 @@ quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkp
 learned policy (``flashmoe warmup`` on the first ``WARMUP_TOKENS`` tokens of the train split).
 The worker replays the shared gpt-oss-20b trace (eval split) at a model's pace; progress
 (tokens/s, hit rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
+
+The control panel (``services/control_panel``) runs as one more supervised process on
+127.0.0.1:``panel.port`` (0: any free port); its URL and token (``panel.token``, else one made
+here) are printed once it listens. The token reaches the panel alone, through its environment;
+the other services' config does not carry it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import sys
 import tempfile
@@ -23,7 +29,7 @@ import time
 from pathlib import Path
 
 from common.bus import ServiceUnavailable, ipc_endpoint, stats
-from common.config import FlashMoEConfig
+from common.config import ENV_PREFIX, ConfigError, FlashMoEConfig
 from common.traces import DEFAULT_TRACES_DIR, Trace, load_trace
 from flashmoe.supervisor import ServiceSpec, SupervisionError, Supervisor
 from flashmoe.synth_store import synth_store
@@ -31,6 +37,7 @@ from flashmoe.synth_store import synth_store
 DEFAULT_SCALE = 0.03  # ~1.3 GB of experts: made in well under a minute
 WARMUP_TOKENS = 12_000
 PROGRESS_S = 1.0
+PANEL_ANNOUNCE_S = 30.0  # how long `run` waits for the panel to say where it listens
 
 
 def _first_tokens(trace: Trace, tokens: int) -> Trace:
@@ -90,6 +97,41 @@ def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | N
     ]
 
 
+def panel_spec(runtime: Path, port: int, token: str) -> ServiceSpec:
+    """The control panel as a supervised process (no control socket of its own: it is a
+    client of the others')."""
+    return ServiceSpec("panel", ["serve-panel", "--runtime-dir", str(runtime), "--port",
+                                 str(port)],
+                       health_checked=False, env={f"{ENV_PREFIX}PANEL__TOKEN": token})
+
+
+def check_panel_port(port: int) -> None:
+    """Fail before anything starts when ``panel.port`` is taken (0 always works)."""
+    from services.control_panel.process import listen
+
+    if port == 0:
+        return
+    try:
+        listen("127.0.0.1", port).close()
+    except OSError as exc:
+        raise ConfigError(f"panel.port = {port}: 127.0.0.1:{port} is not free "
+                          f"({exc.strerror}); set another panel.port (0 = any free port)") \
+            from None
+
+
+def wait_panel_url(runtime: Path, timeout_s: float = PANEL_ANNOUNCE_S) -> str | None:
+    """The URL the panel announces in ``<runtime>/panel.json`` once it listens."""
+    from services.control_panel.process import INFO_FILE
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return json.loads((runtime / INFO_FILE).read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    return None
+
+
 @dataclasses.dataclass
 class Progress:
     """Figures from the services' control sockets, as differences over time."""
@@ -142,10 +184,15 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
         trace: str = "gptoss20b:eval", tokens: int | None = 200, loop: bool = False,
         token_ms: float = 0.0, traces_dir: Path = DEFAULT_TRACES_DIR, out=sys.stdout) -> dict:
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    from services.control_panel.process import INFO_FILE, new_token
+
+    check_panel_port(config.panel.port)
     store, warmup = prepare(home, config, store, warmup, traces_dir, say)
     runtime = Path(config.ipc.runtime_dir) if config.ipc.runtime_dir else \
         Path(tempfile.mkdtemp(prefix="flashmoe-run-"))
-    config = dataclasses.replace(config, store=dataclasses.replace(config.store, path=store))
+    token = config.panel.token or new_token()
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, path=store),
+                                 panel=dataclasses.replace(config.panel, token=""))
     layers = len(load_trace(trace, traces_dir).experts[0])
     stop = {"requested": False}
 
@@ -157,10 +204,16 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
     try:
         specs = services(store, warmup, runtime, trace, tokens, loop, token_ms,
                          lambda service: ipc_endpoint(runtime, service))
+        specs.append(panel_spec(runtime, config.panel.port, token))
+        (runtime / INFO_FILE).unlink(missing_ok=True)
         supervisor = Supervisor(config, runtime, specs)
         say(f"[run] runtime folder {runtime}; logs: {runtime}/<service>.log")
         supervisor.start_all()
         say(f"[run] services up: {supervisor.pids()}")
+        url = wait_panel_url(runtime)
+        say(f"[run] control panel {url}  token {token}" if url else
+            f"[run] the control panel did not start within {PANEL_ANNOUNCE_S:g} s; see "
+            f"{runtime}/panel.log")
         progress = Progress(layers)
         endpoints = {name: supervisor.control_endpoint(name)
                      for name in ("cache_manager", "feature_extractor", "predictor")}

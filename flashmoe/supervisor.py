@@ -40,6 +40,7 @@ class ServiceSpec:
     health_checked: bool = True  # False: a process without a control socket (the worker)
     restart: bool = True
     exits_when_done: bool = False  # its clean exit ends the run (the worker with --tokens)
+    env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
 
 
 @dataclass
@@ -75,10 +76,10 @@ class Supervisor:
         spec = t.spec
         t.started = time.monotonic()
         if spec.health_checked:
-            t.child = self.launcher.start(spec.name, spec.command)
+            t.child = self.launcher.start(spec.name, spec.command, env=spec.env)
             t.proc = t.child.proc
         else:
-            t.proc = self.launcher.start_plain(spec.name, spec.command)
+            t.proc = self.launcher.start_plain(spec.name, spec.command, env=spec.env)
 
     def start_all(self) -> None:
         for t in self.tracked.values():

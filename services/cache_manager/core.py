@@ -401,6 +401,29 @@ class CacheManagerCore:
                 taken = True
         return taken
 
+    def set_policy(self, policy: str, policy_params: Mapping | None = None) -> None:
+        """Switch the eviction policy while running: the new policy (or one per layer) starts
+        with every expert now in the arena (resident or loading) as just inserted; pins,
+        loads and slots are untouched. Raises PolicyError (unknown name, bad parameters, an
+        oracle) and changes nothing then."""
+        if needs_future(policy):
+            raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
+                              f"simulator (`flashmoe bench`) can run it")
+        layers = sorted({layer for layer, _ in self.expert_bytes})
+        num_experts = max(expert for _, expert in self.expert_bytes) + 1
+        if self.scope == "global":
+            policies = {None: make_policy(policy, self.n_slots, policy_params)}
+        else:
+            per_layer = self.n_slots // max(len(layers), 1)
+            policies = {layer: make_policy(policy, per_layer, policy_params)
+                        for layer in layers}
+        for p in policies.values():
+            p.configure(layers, num_experts)
+        for key in self.slot_of:
+            policies[None if self.scope == "global" else key[0]].on_insert(key)
+        self.policies, self.policy_name = policies, policy
+        self._layer_aware = needs_core(policy)
+
     # --- gauges ---------------------------------------------------------------------------
 
     def policy_params_json(self) -> str:

@@ -16,6 +16,7 @@ status ``EXIT_ENGINE_FAILED`` so that a supervisor restarts the process.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -36,13 +37,14 @@ from common.bus import (ControlServer, Inbox, PeerWatch, SeqGaps, Subscriber, ha
 from common.config import ConfigError, FlashMoEConfig
 from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Hello, LearningMessage,
                              Prediction, PrefetchHint, ProtocolError, Ready, Rejected, Release,
-                             Released, StatsRep, StatsReq, WorkerToCache, encode)
+                             Released, ResidencyRep, ResidencyReq, StatsRep, StatsReq,
+                             WorkerToCache, encode)
 from common.service import arm_parent_death_signal, setup_process_logging
 from common.store import ChecksumError, ExpertStore
 
 from .core import AcquireFailed, CacheManagerCore, Load, Waiter
 from .io_engine import IOEngineError, open_engine
-from .policies import PolicyError
+from .policies import PolicyError, needs_future
 from .prefetcher import NextLayerPrefetcher, PrefetcherParams
 
 log = logging.getLogger("flashmoe.cache_manager")
@@ -161,7 +163,8 @@ class CacheManager:
         self.lock = threading.Lock()
         self.control = ControlServer(self.ctx, config, control_endpoint, "cache_manager",
                                      stats=self.stats, state=lambda: self.state.value,
-                                     lock=self.lock)
+                                     lock=self.lock, tune=self.tune,
+                                     extra={ResidencyReq: self.handle_residency})
         self.endpoint = endpoint
         self.workers: dict[bytes, str] = {}
         self.reads: dict[int, Load] = {}  # engine batch id -> the load it carries
@@ -178,6 +181,7 @@ class CacheManager:
         self.predictions = Subscriber(self.ctx, config, list(predictions), LearningMessage,
                                       self.counters, "predictions") if predictions else None
         self.prediction_gaps = SeqGaps(Counter())
+        self.popularity = np.zeros((len(self.moe_layers), manifest.num_experts), np.float32)
         self.estimate_at: float | None = None  # when the estimate in use arrived
         self.handlers = {Hello: self.handle_hello, AcquireReq: self.handle_acquire,
                          PrefetchHint: self.handle_prefetch, Release: self.handle_release,
@@ -455,6 +459,9 @@ class CacheManager:
 
     def handle_acquire(self, identity: bytes, msg: AcquireReq) -> None:
         self.counters["n_acquire"] += 1
+        position = self.layer_position.get(msg.layer)
+        if position is not None:
+            np.add.at(self.popularity[position], msg.experts, 1.0)
         try:
             slots, loads, waiter = self.core.acquire(identity, msg.layer, msg.experts,
                                                      msg.release_layers, tag=(identity, msg.seq))
@@ -487,6 +494,56 @@ class CacheManager:
 
     def handle_stats(self, identity: bytes, msg: StatsReq) -> None:
         self.send(identity, StatsRep(msg.seq, self.stats()))
+
+    def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:
+        """Live changes (control thread, under self.lock): the policy, the prefetch window,
+        the inline prefetcher and its threshold; predictor.max_age_ms is read from
+        self.config at each use."""
+        applied, refused = [], {}
+        for key, value in changes.items():
+            if key == "cache.policy":
+                if needs_future(value):
+                    refused[key] = f"{value} needs the future (simulator only)"
+                    continue
+                if not check:
+                    try:
+                        params = self.config.cache.policy_params \
+                            if value == self.core.policy_name else None
+                        self.core.set_policy(value, params)
+                    except PolicyError as exc:
+                        refused[key] = str(exc)
+                        continue
+            elif key == "prefetch.window":
+                if not check:
+                    self.core.prefetch_window = min(value, self.core.prefetch_budget)
+            elif key == "prefetch.threshold":
+                if not check and self.prefetcher is not None:
+                    self.prefetcher.params = dataclasses.replace(self.prefetcher.params,
+                                                                 threshold=value)
+            elif key == "prefetch.inline":
+                if value and not self.config.prefetch.budget:
+                    refused[key] = "prefetch.budget is 0: no prefetch can run"
+                    continue
+                if not check:
+                    self.prefetcher = self._make_prefetcher(value)
+            elif key != "predictor.max_age_ms":
+                continue
+            applied.append(key)
+        return applied, refused
+
+    def _make_prefetcher(self, on: bool):
+        manifest = self.store.manifest
+        threshold = self.config.prefetch.threshold
+        return NextLayerPrefetcher(len(self.moe_layers), manifest.num_experts, manifest.top_k,
+                                   PrefetcherParams(threshold=threshold)) if on else None
+
+    def handle_residency(self, msg: ResidencyReq) -> ResidencyRep:
+        L, E = len(self.moe_layers), self.store.manifest.num_experts
+        resident = np.zeros((L, E), np.uint8)
+        for layer, expert in self.core.slot_of:
+            resident[self.layer_position[layer], expert] = 1
+        return ResidencyRep(msg.seq, self.moe_layers, E, resident.tobytes(),
+                            self.popularity.tobytes())
 
     def stats(self) -> dict:
         lat = self.read_latency_us

@@ -220,6 +220,7 @@ class OnlinePCA:
 
     def __init__(self, dim: int, components: int, every: int = 250,
                  decay: float = 0.998) -> None:
+        components = min(components, dim)  # a small model's raw vector may be shorter
         self.dim, self.k, self.every, self.decay = dim, components, every, decay
         self.mean = np.zeros(dim)
         self.cov = np.zeros((dim, dim))

@@ -129,6 +129,29 @@ class PredictorService(Service):
         self.last_checkpoint = time.monotonic()
         self.counters["checkpoints"] += 1
 
+    def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:
+        """EWC weights and the drift detector, live (the learner reads its params at each
+        step; a learner not made yet takes them from self.config)."""
+        names = {"predictor.ewc_strength": "ewc_strength", "predictor.ewc_lambda": "ewc_lambda",
+                 "predictor.drift": "drift", "predictor.drift_threshold": "drift_threshold"}
+        applied = [key for key in changes if key in names]
+        if not check and self.learner is not None and applied:
+            import dataclasses
+
+            from .core import PageHinkley
+
+            learner = self.learner
+            learner.params = dataclasses.replace(
+                learner.params, **{names[key]: changes[key] for key in applied})
+            p = learner.params
+            if not p.drift:
+                learner.drift = None
+            elif learner.drift is None:
+                learner.drift = PageHinkley(p.drift_delta, p.drift_threshold)
+            else:
+                learner.drift.threshold = p.drift_threshold
+        return applied, {}
+
     def stats(self) -> dict:
         out = {**super().stats(), "resumed_from": self.resumed_from}
         if self.learner is not None:

@@ -1,0 +1,175 @@
+"""The control panel's HTTP face (FastAPI): the page, the JSON API, Prometheus metrics, docs.
+
+  GET  /                the page (live charts, residency heat map, config, tuning forms)
+  GET  /api/stats       every service's stats from its control socket, and derived rates
+  GET  /api/history     the rates over the last minutes (the charts)
+  GET  /api/residency   per layer, resident experts and their popularity (when reported)
+  GET  /api/config      the effective config, each field with doc, default, range, live flag
+  PUT  /api/config      {"changes": {"section.field": value}}: 401 without the token, 422 for
+                        an unknown field or a value out of range, 409 for what cannot change
+                        while running, else applied through the services' control sockets
+  GET  /metrics         Prometheus text format
+  GET  /docs            Swagger UI from local assets (scripts/setup.sh); /openapi.json always
+
+The page and its chart library (uPlot) are served from ``static/``, never from a CDN: an edge
+box has no internet. Everything the API says about fields comes from common/config.py through
+``core`` (the request's JSON Schema included).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, Field
+
+from .core import SERIES, changes_schema
+from .process import Panel
+
+STATIC = Path(__file__).resolve().parent / "static"
+SWAGGER = STATIC / "vendor" / "swagger-ui"
+
+
+class ConfigUpdate(BaseModel):
+    """A set of live changes, applied together or not at all."""
+    changes: dict[str, Any] = Field(
+        description="section.field -> new value (see GET /api/config for each field's range "
+                    "and live flag)",
+        json_schema_extra=changes_schema())
+
+
+class FieldRow(BaseModel):
+    key: str
+    type: str
+    value: Any
+    default: Any
+    doc: str
+    lo: float | None
+    hi: float | None
+    choices: list | None
+    size: bool
+    multiple_of: int | None
+    live: bool
+    fixed_because: str
+    secret: bool
+
+
+class ConfigView(BaseModel):
+    source: str = Field(description="the service whose effective config this is")
+    profile: str | None
+    fields: list[FieldRow]
+    tuned: dict[str, Any] = Field(description="live changes applied through the panel")
+
+
+def _metric_name(*parts: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(("flashmoe", *parts)))
+
+
+class StatsCollector:
+    """Prometheus view of the panel's latest stats round: one gauge per numeric stat of each
+    service (``flashmoe_<service>_<stat>``), ``flashmoe_up{service}``, and the derived rates
+    (``flashmoe_hit_rate``...)."""
+
+    def __init__(self, panel: Panel) -> None:
+        self.panel = panel
+
+    def collect(self):
+        view = self.panel.stats_view()
+        up = GaugeMetricFamily("flashmoe_up", "1 when the service answered the last stats "
+                               "round", labels=["service"])
+        for name in view["services"]:
+            up.add_metric([name], 1)
+        for name in view["unavailable"]:
+            up.add_metric([name], 0)
+        yield up
+        for service, values in sorted(view["services"].items()):
+            for key, value in sorted(values.items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield GaugeMetricFamily(_metric_name(service, key),
+                                            f"{service} stat {key}", value=value)
+        for key in SERIES:
+            value = view["rates"].get(key)
+            if isinstance(value, (int, float)):
+                yield GaugeMetricFamily(_metric_name(key), f"derived: {key}", value=value)
+
+
+def make_app(panel: Panel) -> FastAPI:
+    app = FastAPI(title="FlashMoE control panel", docs_url=None, redoc_url=None,
+                  description="Live stats and tuning of the FlashMoE services, over their "
+                              "control sockets. Changes need the token printed at start.")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(panel))
+
+    def require_token(authorization: str | None = Header(default=None),
+                      x_flashmoe_token: str | None = Header(default=None)) -> None:
+        given = x_flashmoe_token or ""
+        if authorization and authorization.lower().startswith("bearer "):
+            given = authorization[7:].strip()
+        if not given or not secrets.compare_digest(given.encode(), panel.token.encode()):
+            raise HTTPException(401, "a change needs the panel's token (printed at start): "
+                                     "header 'Authorization: Bearer <token>' or "
+                                     "'X-FlashMoE-Token'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/stats", summary="Every service's stats and the derived rates")
+    def get_stats() -> dict[str, Any]:
+        return panel.stats_view()
+
+    @app.get("/api/history", summary="The derived rates over the last minutes")
+    def get_history() -> dict[str, list]:
+        return panel.history_view()
+
+    @app.get("/api/residency", summary="Per layer: resident experts and their popularity")
+    def get_residency() -> dict[str, Any]:
+        return panel.residency_view()
+
+    @app.get("/api/config", response_model=ConfigView,
+             summary="The effective config with each field's doc, default, range, live flag")
+    def get_config() -> dict[str, Any]:
+        return panel.config_view()
+
+    @app.put("/api/config", dependencies=[Depends(require_token)],
+             summary="Apply live config changes to the running services",
+             responses={401: {"description": "no or wrong token"},
+                        409: {"description": "a field that cannot change while running, with "
+                                             "the reason"},
+                        422: {"description": "an unknown field, or a value out of its range "
+                                             "(named with the range)"},
+                        503: {"description": "no service answered"}})
+    def put_config(update: ConfigUpdate) -> JSONResponse:
+        outcome = panel.apply(update.changes)
+        return JSONResponse(outcome.body, status_code=outcome.status)
+
+    @app.get("/metrics", summary="Prometheus text format")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        if (SWAGGER / "swagger-ui-bundle.js").is_file():
+            return get_swagger_ui_html(
+                openapi_url="/openapi.json", title="FlashMoE control panel API",
+                swagger_js_url="/static/vendor/swagger-ui/swagger-ui-bundle.js",
+                swagger_css_url="/static/vendor/swagger-ui/swagger-ui.css",
+                swagger_favicon_url="/static/favicon.svg",
+                swagger_ui_parameters={"validatorUrl": None})  # no call to swagger.io
+        return HTMLResponse("<!doctype html><title>FlashMoE API</title><h1>FlashMoE control "
+                            "panel API</h1><p>The Swagger UI assets are not installed (run "
+                            "<code>scripts/setup.sh</code>; they come from npm, never a CDN). "
+                            "The schema itself is at <a href='/openapi.json'>/openapi.json</a>."
+                            "</p>")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
