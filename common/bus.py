@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -440,7 +441,10 @@ def tune(endpoint: str, changes: Mapping[str, Any], check: bool = False,
          timeout_s: float = 5.0) -> TuneRep:
     """Ask a running service to take live config changes (``check``: only ask whether it
     would)."""
-    reply = control_request(endpoint, TuneReq(0, dict(changes), check), timeout_s)
+    # A table (cache.policy_params) travels as JSON text; the service coerces it back.
+    wire = {key: json.dumps(value) if isinstance(value, dict) else value
+            for key, value in changes.items()}
+    reply = control_request(endpoint, TuneReq(0, wire, check), timeout_s)
     if not isinstance(reply, TuneRep):
         raise ServiceUnavailable(f"{endpoint}: unexpected answer {reply!r}")
     return reply

@@ -26,10 +26,18 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML or JSON config file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable); see `flashmoe config`")
+    p.add_argument("--redis", metavar="URL", help="share pattern features with the devices of "
+                   "a cluster through this Redis (cluster.redis_url; see `flashmoe config "
+                   "--fields` for AUTH and TLS)")
+
+
+def _overrides(args) -> list[str]:
+    """``--set`` items, after the ones the shorthand flags make."""
+    return ([f"cluster.redis_url={args.redis}"] if args.redis else []) + list(args.set)
 
 
 def _config(args, store: str | None = None):
-    overrides = list(args.set)
+    overrides = _overrides(args)
     if store:
         overrides.insert(0, f"store.path={store}")
     return load_config(profile=args.profile, file=args.config, overrides=overrides)
@@ -446,7 +454,8 @@ def cmd_run(args) -> int:
     from flashmoe.run import format_summary, run
     from flashmoe.supervisor import SupervisionError
 
-    overrides = ["cache.policy=flashmoe", f"cache.capacity_experts={args.capacity}", *args.set]
+    overrides = ["cache.policy=flashmoe", f"cache.capacity_experts={args.capacity}",
+                 *_overrides(args)]
     config = load_config(profile=args.profile, file=args.config, overrides=overrides)
     try:
         summary = run(config, Path(args.home), args.store, args.warmup, args.trace,
@@ -483,6 +492,21 @@ def cmd_e2e_bench(args) -> int:
     if args.plot:
         e2e_bench.plot(report, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_cluster_bench(args) -> int:
+    from flashmoe import cluster_bench
+
+    overrides = ["cache.policy=flashmoe", *_overrides(args)]
+    config = load_config(profile=args.profile, file=args.config, overrides=overrides)
+    report = cluster_bench.cluster_bench(config, Path(args.workdir), config.cluster.redis_url
+                                         or None, args.tokens, args.capacity,
+                                         args.warmup_tokens, args.device, Path(args.traces_dir))
+    print(cluster_bench.format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -821,6 +845,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     p.set_defaults(func=cmd_e2e_bench)
+
+    p = sub.add_parser("cluster-bench", help="hit rate of a device's first tokens after a warm "
+                                             "start from a peer through Redis, against a cold "
+                                             "start and a local warm-up")
+    p.add_argument("--workdir", default=".flashmoe/cluster-bench", help="the local warm-up")
+    p.add_argument("--tokens", type=int, default=1000, help="first tokens of the eval split")
+    p.add_argument("--capacity", type=float, default=0.25, help="fraction of all experts")
+    p.add_argument("--warmup-tokens", type=int, default=12_000,
+                   help="train-split tokens the peer served (and the local warm-up uses)")
+    p.add_argument("--device", choices=sorted(DEVICE_NAMES), default="orin-980pro")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--json", metavar="FILE")
+    _add_config_flags(p)  # --redis URL: that Redis, else a private redis-server
+    p.set_defaults(func=cmd_cluster_bench)
 
     p = sub.add_parser("flat-worker", help=argparse.SUPPRESS)
     p.add_argument("--file", required=True)

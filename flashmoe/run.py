@@ -16,6 +16,10 @@ The control panel (``services/control_panel``) runs as one more supervised proce
 127.0.0.1:``panel.port`` (0: any free port); its URL and token (``panel.token``, else one made
 here) are printed once it listens. The token reaches the panel alone, through its environment;
 the other services' config does not carry it.
+
+With ``--redis URL`` (``cluster.redis_url``) the feature extractor and the predictor share this
+device's pattern features with its peers and start from theirs (common/cluster.py); the
+cluster's state (connected, or alone and why) is printed when it changes and in the summary.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 from common.bus import ServiceUnavailable, ipc_endpoint, stats
+from common.cluster import summary_of_stats
 from common.config import ENV_PREFIX, ConfigError, FlashMoEConfig
 from common.traces import DEFAULT_TRACES_DIR, Trace, load_trace
 from flashmoe.supervisor import ServiceSpec, SupervisionError, Supervisor
@@ -177,7 +182,10 @@ class Progress:
                     sum(v for k, v in predictor.items() if k.startswith("cpu_ms_"))
                     + extractor.get("cpu_ms_per_event", 0.0), 3),
                 "predictor_drifts": predictor.get("drifts"),
-                "variance_kept": extractor.get("variance_kept")}
+                "variance_kept": extractor.get("variance_kept"),
+                **({"cluster": {"feature_extractor": summary_of_stats(extractor),
+                                "predictor": summary_of_stats(predictor)}}
+                   if "cluster_state" in predictor else {})}
 
 
 def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: str | None = None,
@@ -218,6 +226,7 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
         endpoints = {name: supervisor.control_endpoint(name)
                      for name in ("cache_manager", "feature_extractor", "predictor")}
         latest = None
+        cluster_state = None
         while not stop["requested"] and not supervisor.done:
             for message in supervisor.poll():
                 say(f"[run] {message}")
@@ -228,6 +237,11 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
                 time.sleep(PROGRESS_S)
                 continue
             latest = snapshot
+            link = summary_of_stats(snapshot["predictor"])
+            if link and (link["state"], link["reason"]) != cluster_state:
+                cluster_state = (link["state"], link["reason"])
+                say(f"[run] cluster {link['state']} (device {link['device']}, {link['peers']} "
+                    f"peers){': ' + link['reason'] if link['reason'] else ''}")
             p = progress.sample(snapshot["cache_manager"], snapshot["feature_extractor"],
                                 snapshot["predictor"])
             say(f"[run] {p['tokens']:8.0f} tokens  {p['tokens_per_s']:6.2f} tok/s  hit "

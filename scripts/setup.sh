@@ -18,27 +18,10 @@ else
          "without liburing the pread engine is used" >&2
 fi
 
-# The control panel's browser assets, from the npm registry, served by the panel itself (an
-# edge box has no internet: never a CDN): uPlot for the charts, swagger-ui-dist for /docs.
-VENDOR=services/control_panel/static/vendor
-vendor_npm() {  # package@version folder file...: the package's files into $VENDOR/folder
-    local spec=$1 dest=$VENDOR/$2 tmp have=1
-    shift 2
-    for file in "$@"; do [ -f "$dest/$(basename "$file")" ] || have=0; done
-    [ $have = 1 ] && return 0
-    tmp=$(mktemp -d)
-    if (cd "$tmp" && npm pack --silent "$spec" >/dev/null 2>&1) \
-            && tar -xzf "$tmp"/*.tgz -C "$tmp"; then
-        mkdir -p "$dest"
-        for file in "$@"; do cp "$tmp/package/$file" "$dest/"; done
-    else
-        echo "setup: npm pack $spec failed: the panel's page works without it, but says so" >&2
-    fi
-    rm -rf "$tmp"
-}
+# The control panel's browser assets, from the npm registry (scripts/vendor-assets.sh; the
+# image build runs the same script).
 if command -v npm >/dev/null; then
-    vendor_npm uplot@1.6.32 uplot dist/uPlot.iife.min.js dist/uPlot.min.css LICENSE
-    vendor_npm swagger-ui-dist@5.35.0 swagger-ui swagger-ui-bundle.js swagger-ui.css LICENSE
+    bash scripts/vendor-assets.sh
 else
     echo "setup: no npm: the control panel shows no charts and /docs has no Swagger UI" >&2
 fi

@@ -87,7 +87,8 @@ class CacheManagerCore:
             raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
                               f"simulator (`flashmoe bench`) can run it")
         self.expert_bytes = expert_bytes
-        self.n_slots = n_slots
+        self.n_slots = n_slots  # the arena's slots
+        self.capacity = n_slots  # the slots in use (lowered live by set_capacity)
         self.scope = scope
         self.policy_name = policy
         self.prefetch_budget = prefetch_budget
@@ -412,9 +413,9 @@ class CacheManagerCore:
         layers = sorted({layer for layer, _ in self.expert_bytes})
         num_experts = max(expert for _, expert in self.expert_bytes) + 1
         if self.scope == "global":
-            policies = {None: make_policy(policy, self.n_slots, policy_params)}
+            policies = {None: make_policy(policy, self.capacity, policy_params)}
         else:
-            per_layer = self.n_slots // max(len(layers), 1)
+            per_layer = self.capacity // max(len(layers), 1)
             policies = {layer: make_policy(policy, per_layer, policy_params)
                         for layer in layers}
         for p in policies.values():
@@ -423,6 +424,44 @@ class CacheManagerCore:
             policies[None if self.scope == "global" else key[0]].on_insert(key)
         self.policies, self.policy_name = policies, policy
         self._layer_aware = needs_core(policy)
+
+    def check_policy(self, policy: str, policy_params: Mapping | None = None) -> None:
+        """Raise PolicyError where ``set_policy`` would; change nothing."""
+        if needs_future(policy):
+            raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
+                              f"simulator (`flashmoe bench`) can run it")
+        make_policy(policy, self.capacity, policy_params)
+
+    def set_capacity(self, capacity: int, check: bool = False) -> None:
+        """Use ``capacity`` of the arena's slots from now on (global scope): going down evicts
+        the policy's victims until the experts in the arena fit, and is refused (PolicyError,
+        nothing changed) below what pins and loads hold; going up is bounded by the arena.
+        The policy restarts with the experts in the arena, with its parameters kept."""
+        if self.scope != "global":
+            raise PolicyError("layer scope: each layer's budget is set at start; restart to "
+                              "change cache.capacity_experts")
+        if not 1 <= capacity <= self.n_slots:
+            raise PolicyError(f"cache.capacity_experts = {capacity}: the arena has "
+                              f"{self.n_slots} slots (sized at start; restart to grow it)")
+        held = sum(1 for key in self.slot_of if self.hold.get(key))
+        if capacity < held:
+            raise PolicyError(f"cache.capacity_experts = {capacity}: pins and loads hold {held} "
+                              f"experts now; the capacity can go down to {held}")
+        if check:
+            return
+        policy = self.policies[None]
+        while len(self.slot_of) > capacity:
+            victim = policy.victim(self.hold)
+            policy.on_evict(victim)
+            self.stats["n_evict"] += 1
+            if victim in self.prefetched_unused:
+                self.prefetched_unused.discard(victim)
+                self.stats["prefetch_wasted"] += 1
+                self.stats["prefetch_wasted_bytes"] += self.expert_bytes[victim]
+            self.free_slots.append(self.slot_of.pop(victim))
+        params = dataclasses.asdict(policy.params)
+        self.capacity = capacity
+        self.set_policy(self.policy_name, params)
 
     # --- gauges ---------------------------------------------------------------------------
 
@@ -437,4 +476,5 @@ class CacheManagerCore:
     def gauges(self) -> dict[str, int]:
         return {"resident": self.resident(), "loading": len(self.loading),
                 "pinned": len(self.pinned_keys()), "prefetch_inflight": self.prefetch_inflight,
-                "prefetch_pending": len(self.pending_hints), "n_slots": self.n_slots}
+                "prefetch_pending": len(self.pending_hints), "n_slots": self.n_slots,
+                "capacity": self.capacity}

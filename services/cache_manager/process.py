@@ -496,9 +496,10 @@ class CacheManager:
         self.send(identity, StatsRep(msg.seq, self.stats()))
 
     def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:
-        """Live changes (control thread, under self.lock): the policy, the prefetch window,
-        the inline prefetcher and its threshold; predictor.max_age_ms is read from
-        self.config at each use."""
+        """Live changes (control thread, under self.lock): the policy and its parameters
+        (e.g. the FlashMoE policy's hybrid share), the capacity within the arena, the
+        prefetch window, the inline prefetcher and its threshold; predictor.max_age_ms is
+        read from self.config at each use."""
         applied, refused = [], {}
         for key, value in changes.items():
             if key == "cache.policy":
@@ -507,12 +508,28 @@ class CacheManager:
                     continue
                 if not check:
                     try:
-                        params = self.config.cache.policy_params \
-                            if value == self.core.policy_name else None
+                        params = changes.get("cache.policy_params",
+                                             self.config.cache.policy_params
+                                             if value == self.core.policy_name else None)
                         self.core.set_policy(value, params)
                     except PolicyError as exc:
                         refused[key] = str(exc)
                         continue
+            elif key == "cache.policy_params":
+                name = changes.get("cache.policy", self.core.policy_name)
+                try:
+                    self.core.check_policy(name, value)
+                    if not check:
+                        self.core.set_policy(name, value)
+                except PolicyError as exc:
+                    refused[key] = str(exc)
+                    continue
+            elif key == "cache.capacity_experts":
+                try:
+                    self.core.set_capacity(value, check=check)
+                except PolicyError as exc:
+                    refused[key] = str(exc)
+                    continue
             elif key == "prefetch.window":
                 if not check:
                     self.core.prefetch_window = min(value, self.core.prefetch_budget)

@@ -3,7 +3,8 @@
 
 Every event is counted by its source's sequence numbers (lost ones in ``n_gap``); a malformed
 or wrong-version message is counted and dropped. The core's tables can start from a warm-up
-checkpoint (``--warmup``).
+checkpoint (``--warmup``). With ``cluster.redis_url`` they also start from the peers' shared
+popularity, transitions and PCA (common/cluster.py), and a thread publishes this device's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import numpy as np
 import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
+from common.cluster import (
+    ClusterAgent,
+    apply_to_extractor,
+    cluster_stats,
+    extractor_patterns,
+    extractor_values,
+    merge,
+    open_link,
+)
 from common.config import FlashMoEConfig
 from common.protocol import AccessEvent, FeatureBatch, LearningMessage
 from common.service import Service, run_service_process
@@ -36,6 +46,10 @@ class FeatureExtractorService(Service):
             meta = load_checkpoint(self.core, warmup)
             self.log.info("tables from the warm-up checkpoint %s (%d tokens)", warmup,
                           meta["tokens"])
+        self.cluster: ClusterAgent | None = None
+        self.warm_start: dict | None = None
+        if config.cluster.redis_url:
+            self._join_cluster(manifest)
         self.receive = Subscriber(self.ctx, config, events, LearningMessage, self.counters,
                                   "feature extractor")
         self.publisher = Publisher(self.ctx, config, publish)
@@ -46,10 +60,30 @@ class FeatureExtractorService(Service):
         self.counters.update(events=0, batches=0, n_gap=0, n_out_of_order=0,
                              rejected_unexpected=0)
 
+    def _join_cluster(self, manifest) -> None:
+        """Warm start from the peers (bounded by ``cluster.timeout_s`` per call; Redis down
+        means starting alone), then publish on the agent's thread."""
+        link, shape = open_link(self.config, manifest)
+        warm = merge(link.fetch_peers(shape))
+        if warm is not None:
+            apply_to_extractor(self.core, warm, local_tokens=self.core.features.t)
+            self.warm_start = warm.summary()
+            self.log.info("cluster warm start from %s (%d tokens; PCA of %s)", warm.peers,
+                          warm.tokens, warm.source or "none")
+        self.cluster = ClusterAgent(link, self._cluster_values, self.name)
+        self.cluster.start()
+
+    def _cluster_values(self) -> dict[str, bytes] | None:
+        with self.lock:  # a copy of the tables; encoding happens off the service's loop
+            patterns = extractor_patterns(self.core, self.cluster.link.device)
+        return extractor_values(patterns, time.time_ns()) if patterns.tokens else None
+
     def sockets(self) -> list[zmq.Socket]:
         return [self.receive.socket]
 
     def close_sockets(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
         self.receive.close()
         self.publisher.close()
 
@@ -85,7 +119,9 @@ class FeatureExtractorService(Service):
         events = max(self.counters["events"], 1)
         return {**super().stats(), "variance_kept": float(self.core.pca.variance_kept),
                 "cpu_ms_per_event": round(1e3 * self.cpu_s / events, 3),
-                "tokens_seen": self.core.features.t}
+                "tokens_seen": self.core.features.t,
+                **(cluster_stats(self.cluster.link, self.warm_start)
+                   if self.cluster is not None else {})}
 
 
 def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], publish: str,

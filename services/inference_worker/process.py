@@ -69,6 +69,12 @@ class TraceWorker:
             t = start + offset
             if layer == 0:
                 self._pace()
+            elif self.pace_ms:  # the layers spread over the step, as a model's compute does
+                left = self._token_started + layer * self.pace_ms / 1000 / (last + 1) \
+                    - time.monotonic()
+                if left > 0:
+                    time.sleep(left)
+            if layer == 0:
                 if compute is not None:
                     hidden = compute.new_token(stream.input_token[t])
             if compute is None:
@@ -108,8 +114,8 @@ def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: 
     """Replay ``tokens`` decode steps of ``trace`` from row ``start`` (``loop``: that slice
     again and again until the process is stopped); returns the cache manager's stats at the
     end. ``events``: publish AccessEvents there (after ``settle_s``, the subscribers' time to
-    connect). ``token_ms``: a decode step lasts at least this long (the worker waits out the
-    rest, as for a model's compute). ``compute``: run each layer's experts on the fetched
+    connect). ``token_ms``: a decode step lasts at least this long, layer l starting no sooner
+    than l/L of it (the worker waits, as for a model's compute). ``compute``: run each layer's experts on the fetched
     weights (transformers' eager code), as a model would."""
     stop = trace.n_tokens if tokens is None else min(trace.n_tokens, start + tokens)
     publisher = EventPublisher(config or FlashMoEConfig(), events, f"{name}[{os.getpid()}]") \

@@ -5,7 +5,9 @@ One network step per token; the token's routing, carried by the next batch, is i
 Training runs in this process, between batches, so the hot path never waits on it. The
 weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
 ``predictor.checkpoint_every_s`` and at shutdown; a restarted predictor resumes from there
-(else from the warm-up checkpoint, else cold).
+(else from the warm-up checkpoint, else cold). With ``cluster.redis_url``, a first start
+takes the weights of the peer with the most tokens before the warm-up checkpoint
+(common/cluster.py), and a thread publishes this device's weights.
 """
 
 from __future__ import annotations
@@ -17,12 +19,22 @@ import numpy as np
 import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
+from common.cluster import (
+    ClusterAgent,
+    cluster_stats,
+    learner_patterns,
+    merge,
+    open_link,
+    predictor_values,
+    write_predictor_checkpoint,
+)
 from common.config import FlashMoEConfig
 from common.protocol import FeatureBatch, LearningMessage, Prediction
 from common.service import Service, run_service_process
 from common.store import ExpertStore
 
 from .core import Learner, LearnerParams
+
 
 class PredictorService(Service):
     name = "predictor"
@@ -46,13 +58,41 @@ class PredictorService(Service):
         self.last_publish = 0.0
         self.last_checkpoint = time.monotonic()
         self.resumed_from = ""
+        self.cluster: ClusterAgent | None = None
+        self.cluster_checkpoint: Path | None = None  # the chosen peer's weights, as a folder
+        self.warm_start: dict | None = None
+        if config.cluster.redis_url:
+            self._join_cluster(manifest)
         self.counters.update(batches=0, predictions=0, checkpoints=0, n_gap=0,
                              n_out_of_order=0, rejected_unexpected=0, rejected_shape=0)
+
+    def _join_cluster(self, manifest) -> None:
+        """A first start (no checkpoint of its own) takes the peer's weights; then the agent
+        publishes this device's on its own thread."""
+        link, shape = open_link(self.config, manifest)
+        if not (self.checkpoint_dir / "predictor.json").is_file():
+            warm = merge(link.fetch_peers(shape))
+            if warm is not None:
+                self.warm_start = warm.summary()
+                self.cluster_checkpoint = write_predictor_checkpoint(
+                    warm, self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".cluster"))
+        self.cluster = ClusterAgent(link, self._cluster_values, self.name)
+        self.cluster.start()
+
+    def _cluster_values(self) -> dict[str, bytes] | None:
+        with self.lock:  # a float16 copy of the weights; encoding happens off the loop
+            if self.learner is None:
+                return None
+            weights, meta = learner_patterns(self.learner)
+        return predictor_values(self.cluster.link.device, meta["tokens"], weights, meta,
+                                time.time_ns())
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.receive.socket]
 
     def close_sockets(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.learner is not None:
             self.checkpoint()
         self.receive.close()
@@ -61,7 +101,7 @@ class PredictorService(Service):
     def _make_learner(self, dims: int, features: int) -> Learner:
         learner = Learner(self.layers, self.experts, dims, features,
                           LearnerParams.from_config(self.config))
-        for source in (self.checkpoint_dir, self.warmup):
+        for source in (self.checkpoint_dir, self.cluster_checkpoint, self.warmup):
             if source and (Path(source) / "predictor.json").is_file():
                 try:
                     meta = learner.load(source)
@@ -154,6 +194,8 @@ class PredictorService(Service):
 
     def stats(self) -> dict:
         out = {**super().stats(), "resumed_from": self.resumed_from}
+        if self.cluster is not None:
+            out.update(cluster_stats(self.cluster.link, self.warm_start))
         if self.learner is not None:
             tokens = max(self.learner.t, 1)
             out.update(model=self.learner.params.model, tokens=self.learner.t,

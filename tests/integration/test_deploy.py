@@ -182,7 +182,10 @@ def test_up_builds_the_image_from_only_what_the_dockerfile_copies(standin, clien
     (build,) = standin.engine.builds
     assert build.tags == ["flashmoe:latest"] and build.dockerfile == "docker/Dockerfile"
     tops = {name.split("/")[0] for name in build.files}
-    assert tops == {"docker", "pyproject.toml", "README.md", "common", "services", "flashmoe"}
+    assert tops == {"docker", "pyproject.toml", "README.md", "common", "services", "flashmoe",
+                    "scripts"}
+    # The vendor stage packs the panel's assets with the script setup.sh runs, nothing else.
+    assert [n for n in build.files if n.startswith("scripts/")] == ["scripts/vendor-assets.sh"]
     assert "services/cache_manager/csrc/flashmoe_io.c" in build.files
     assert not [n for n in build.files if "__pycache__" in n or n.endswith((".so", ".pyc"))]
     # A second up finds the image and builds nothing.

@@ -116,7 +116,7 @@ def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
     learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k,
                                load_config(env={}))
     learning.load(setup["ckpt"])
-    hooks = LearningPath(trace, learning, 100.0)
+    hooks = LearningPath(trace, learning, load_config(env={}).predictor.publish_interval_ms)
     sim = replay_core("flashmoe", capacity, trace, "global", DEVICES["orin-980pro"], 1,
                       TOKEN_MS / trace.num_layers, hooks=hooks)
     accesses = T * trace.num_layers * trace.top_k

@@ -197,3 +197,33 @@ def test_registry_builds_every_policy_and_rejects_unknown():
     with pytest.raises(PolicyError, match="capacity"):
         make_policy("lru", 0)
     assert isinstance(make(4).policies[None], LRUPolicy)
+
+
+def test_capacity_goes_down_to_what_pins_hold_and_back_up_to_the_arena():
+    core = make(6)
+    acquire_loaded(core, b"a", 0, [0, 1])  # pinned by a
+    acquire_loaded(core, b"b", 1, [0, 1, 2, 3])
+    core.release(b"b")
+    with pytest.raises(PolicyError, match="go down to 2"):
+        core.set_capacity(1)
+    with pytest.raises(PolicyError, match="arena has 6 slots"):
+        core.set_capacity(7)
+    core.set_capacity(3, check=True)
+    assert core.capacity == 6 and core.resident() == 6  # a check changes nothing
+    core.set_capacity(3)
+    assert core.capacity == 3 and core.resident() == 3 and core.stats["n_evict"] == 3
+    assert {(0, 0), (0, 1)} <= set(core.slot_of)  # the pinned experts stayed
+    acquire_loaded(core, b"b", 1, [4])  # full at 3: a miss evicts, never takes a 4th slot
+    assert core.resident() == 3 and core.gauges()["capacity"] == 3
+    core.set_capacity(6)
+    acquire_loaded(core, b"b", 1, [5, 6])
+    assert core.resident() == 5
+
+
+def test_policy_params_change_live_and_a_bad_one_changes_nothing():
+    core = make(4, policy="flashmoe")
+    core.set_policy("flashmoe", {"hybrid_share": 0.5})
+    assert '"hybrid_share": 0.5' in core.policy_params_json()
+    with pytest.raises(PolicyError):
+        core.check_policy("flashmoe", {"no_such": 1})
+    assert '"hybrid_share": 0.5' in core.policy_params_json()

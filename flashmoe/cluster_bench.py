@@ -1,0 +1,217 @@
+"""`flashmoe cluster-bench`: what a warm start from a peer is worth.
+
+A peer device serves the gpt-oss-20b train split (its first ``warmup_tokens`` tokens, one pass,
+as a device learns live) and publishes its features to a real Redis (common/cluster.py, the
+code the services run); a new device then merges them and serves the eval split. The figure
+is the hit rate over the new device's first ``tokens`` tokens (the flashmoe policy, global
+scope, ``fraction`` of all experts cached, through the simulator's cache-manager core and the
+learning path on its virtual clock), against a cold start (nothing learned) and against a
+local `flashmoe warmup` checkpoint made from the same train tokens (two passes, its
+default). LRU is listed for scale.
+
+Without ``--redis`` a private ``redis-server`` is started on a free port and stopped at the
+end. There is no store here, so the keys' model fingerprint is made from the trace's model
+identity (model, layers, experts, top-k); the bench removes its keys when done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.cluster import (
+    PARTS,
+    ClusterLink,
+    ModelShape,
+    apply_to_extractor,
+    extractor_patterns,
+    extractor_values,
+    key,
+    learner_patterns,
+    merge,
+    model_fingerprint,
+    predictor_values,
+    write_predictor_checkpoint,
+)
+from common.config import FlashMoEConfig
+from common.traces import DEFAULT_TRACES_DIR, TokenStream, Trace, load_trace
+from flashmoe.device_model import DEVICES, shape_for_trace
+from flashmoe.learning import Learning, LearningPath, warmup
+from flashmoe.simulator import capacity_for, replay_core
+
+PEER, DEVICE = "peer-train", "new-device"
+EARLY = (100, 250, 500)  # also reported: the hit rate over the first this many tokens
+
+
+def _first_tokens_covering(trace: Trace, tokens: int) -> Trace:
+    """The whole sequences that cover at least ``tokens`` tokens."""
+    count = min(int(np.searchsorted(trace.offsets, tokens, side="left")), len(trace.offsets) - 1)
+    end = int(trace.offsets[max(count, 1)])
+    return Trace(f"{trace.name}[:{end}]", trace.experts[:end], trace.offsets[:count + 1],
+                 trace.num_experts, trace.model,
+                 trace.probs[:end] if trace.probs is not None else None,
+                 trace.sequences[:count])
+
+
+class PrivateRedis:
+    """A ``redis-server`` child on a free port, without persistence."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it); "
+                               "or pass --redis URL")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("redis-server did not start within 10 s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def _link(config: FlashMoEConfig, url: str, device: str, fingerprint: str) -> ClusterLink:
+    return ClusterLink(dataclasses.replace(config.cluster, redis_url=url, device_id=device),
+                       fingerprint)
+
+
+def _serve(trace: Trace, learning: Learning) -> None:
+    """A device serving ``trace``: its learning path sees every token once, in order."""
+    stream = TokenStream.of(trace)
+    for t in range(trace.n_tokens):
+        learning.on_token(stream, trace, t)
+
+
+def _hit_rates(hits: np.ndarray, trace: Trace, tokens: int) -> dict:
+    per_token = trace.num_layers * trace.top_k
+    out = {}
+    for n in (*[e for e in EARLY if e < tokens], tokens):
+        out[str(n)] = round(float(hits[:n * trace.num_layers].sum()) / (n * per_token), 4)
+    return out
+
+
+def cluster_bench(config: FlashMoEConfig, workdir: Path, redis_url: str | None = None,
+                  tokens: int = 1000, fraction: float = 0.25, warmup_tokens: int = 12_000,
+                  device: str = "orin-980pro", traces_dir: Path = DEFAULT_TRACES_DIR,
+                  say=print) -> dict:
+    from flashmoe.run import _first_tokens
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    train = _first_tokens(load_trace("gptoss20b:train", traces_dir), warmup_tokens)
+    evaluation = _first_tokens_covering(load_trace("gptoss20b:eval", traces_dir), tokens)
+    tokens = min(tokens, evaluation.n_tokens)
+    L, E, K = train.num_layers, train.num_experts, train.top_k
+    fingerprint = model_fingerprint({"model": train.model, "layers": L, "experts": E,
+                                     "top_k": K})
+    shape = ModelShape.of(L, E, config.features, config.predictor)
+    server = PrivateRedis() if redis_url is None else None
+    url = redis_url or server.url
+    arms: dict[str, Learning | None] = {}
+    exchange: dict = {}
+    try:
+        started = time.perf_counter()
+        say(f"[cluster-bench] the peer serves {train.name} ({train.n_tokens} tokens) and "
+            f"publishes to {url}")
+        peer = Learning.create(L, E, K, config)
+        _serve(train, peer)
+        peer_link = _link(config, url, PEER, fingerprint)
+        weights, meta = learner_patterns(peer.learner)
+        values = {**extractor_values(extractor_patterns(peer.extractor, PEER), time.time_ns()),
+                  **predictor_values(PEER, meta["tokens"], weights, meta, time.time_ns())}
+        if not peer_link.publish(values):
+            raise RuntimeError(f"the peer could not publish: {peer_link.status()['reason']}")
+        exchange["published_bytes"] = sum(len(v) for v in values.values())
+        exchange["peer_serve_s"] = round(time.perf_counter() - started, 1)
+
+        link = _link(config, url, DEVICE, fingerprint)
+        warm = merge(link.fetch_peers(shape))
+        if warm is None or warm.predictor is None:
+            raise RuntimeError(f"the new device found no usable peer: {link.status()}")
+        exchange.update(warm.summary(), garbage=link.status()["n_garbage"])
+        from_peer = Learning.create(L, E, K, config)
+        apply_to_extractor(from_peer.extractor, warm)
+        from_peer.learner.load(write_predictor_checkpoint(warm, workdir / "from-peer"))
+
+        local = workdir / f"warmup-{train.n_tokens}"
+        if not (local / "predictor.json").is_file():
+            say(f"[cluster-bench] a local `flashmoe warmup` on the same {train.n_tokens} "
+                f"tokens (first use only)")
+            warmup(train, config, local)
+        from_local = Learning.create(L, E, K, config)
+        from_local.load(local)
+        arms = {"cold start": Learning.create(L, E, K, config),
+                "warm start from a peer (Redis)": from_peer,
+                "local --warmup checkpoint": from_local, "lru (no learning)": None}
+    finally:
+        if server is not None:
+            server.stop()
+        else:
+            _forget(url, config, fingerprint)
+
+    dev = DEVICES[device]
+    model = shape_for_trace(evaluation, None, None)
+    capacity = capacity_for(fraction, evaluation, "global")
+    rows = []
+    for name, learning in arms.items():
+        started = time.perf_counter()
+        policy = "lru" if learning is None else "flashmoe"
+        hooks = None if learning is None else LearningPath(
+            evaluation, learning, config.predictor.publish_interval_ms)
+        run = replay_core(policy, capacity, evaluation, "global", dev,
+                          model.expert_bytes if model else 0,
+                          dev.compute_ms_per_layer(model) if model else 0.0,
+                          params=config.cache.policy_params if policy == config.cache.policy
+                          else None, hooks=hooks)
+        rates = _hit_rates(run.hits, evaluation, tokens)
+        rows.append({"arm": name, "policy": policy, "hit_rate": rates[str(tokens)],
+                     "hit_rate_first": rates, "wall_s": round(time.perf_counter() - started, 1)})
+        say(f"[cluster-bench] {name}: hit rate {rates[str(tokens)]:.4f}")
+    return {"trace": evaluation.name, "tokens": tokens, "scope": "global",
+            "capacity_fraction": fraction, "capacity_experts": capacity, "device": device,
+            "peer_trace": train.name, "fingerprint": fingerprint, "exchange": exchange,
+            "rows": rows}
+
+
+def _forget(url: str, config: FlashMoEConfig, fingerprint: str) -> None:
+    """Remove the bench's keys from a Redis it did not start."""
+    link = _link(config, url, DEVICE, fingerprint)
+    link.call(lambda client: client.delete(*[key(fingerprint, device, what)
+                                             for device in (PEER, DEVICE) for what in PARTS]))
+    link.close()
+
+
+def format_table(report: dict) -> str:
+    early = [k for k in report["rows"][0]["hit_rate_first"] if k != str(report["tokens"])]
+    head = (f"hit rate over the first {report['tokens']} tokens of {report['trace']} "
+            f"(global scope, {report['capacity_experts']} experts = "
+            f"{report['capacity_fraction']:.0%} cached; peer served {report['peer_trace']})")
+    cols = "".join(f"{'first ' + k:>11}" for k in early)
+    lines = [head, f"{'start':<32}{'policy':<10}{'hit rate':>10}{cols}"]
+    for row in report["rows"]:
+        lines.append(f"{row['arm']:<32}{row['policy']:<10}{row['hit_rate']:>10.4f}" +
+                     "".join(f"{row['hit_rate_first'][k]:>11.4f}" for k in early))
+    ex = report["exchange"]
+    lines.append(f"exchange: {ex['published_bytes']} bytes published by {PEER}, merged from "
+                 f"{ex['peers']} ({ex['tokens']} tokens), predictor from {ex['predictor_from']}")
+    return "\n".join(lines)
