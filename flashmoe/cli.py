@@ -507,6 +507,9 @@ def cmd_cluster_bench(args) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
+    if args.plot:
+        cluster_bench.plot(report, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -857,6 +860,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=sorted(DEVICE_NAMES), default="orin-980pro")
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
     _add_config_flags(p)  # --redis URL: that Redis, else a private redis-server
     p.set_defaults(func=cmd_cluster_bench)
 

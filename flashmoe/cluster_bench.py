@@ -215,3 +215,25 @@ def format_table(report: dict) -> str:
     lines.append(f"exchange: {ex['published_bytes']} bytes published by {PEER}, merged from "
                  f"{ex['peers']} ({ex['tokens']} tokens), predictor from {ex['predictor_from']}")
     return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Cumulative hit rate over the first tokens, one line per start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in report["rows"]:
+        points = sorted((int(k), v) for k, v in row["hit_rate_first"].items())
+        ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=row["arm"])
+    ax.set_xscale("log")
+    ax.set_xlabel(f"first tokens of {report['trace']}")
+    ax.set_ylabel("hit rate")
+    ax.set_title(f"warm start from a peer ({report['capacity_fraction']:.0%} of the experts)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
