@@ -165,21 +165,7 @@ class Arena:
 
     def torch_views(self, index: int, entry: ExpertEntry) -> dict:
         """Each projection as a torch tensor of its real dtype (bf16 included), no copy."""
-        import torch
-
-        dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                  "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32,
-                  "I64": torch.int64, "I16": torch.int16}
-        data = self.slot(index)
-        out = {}
-        with warnings.catch_warnings():
-            # The worker's mapping is read-only on purpose; torch warns about that.
-            warnings.simplefilter("ignore", UserWarning)
-            for t in entry.tensors:
-                count = int(np.prod(t.shape))
-                out[t.name] = torch.frombuffer(data, dtype=dtypes[t.dtype], count=count,
-                                               offset=t.offset).view(t.shape)
-        return out
+        return expert_torch_views(self.slot(index), entry)
 
     def close(self) -> None:
         self.view.release()
@@ -192,3 +178,22 @@ class Arena:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def expert_torch_views(data, entry: ExpertEntry) -> dict:
+    """Each projection of the expert whose bytes ``data`` holds (a buffer starting at the
+    expert) as a torch tensor of its real dtype (bf16 included), no copy."""
+    import torch
+
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32,
+              "I64": torch.int64, "I16": torch.int16}
+    out = {}
+    with warnings.catch_warnings():
+        # Read-only mappings (the worker's arena, a memory-mapped file): torch warns.
+        warnings.simplefilter("ignore", UserWarning)
+        for t in entry.tensors:
+            count = int(np.prod(t.shape))
+            out[t.name] = torch.frombuffer(data, dtype=dtypes[t.dtype], count=count,
+                                           offset=t.offset).view(t.shape)
+    return out

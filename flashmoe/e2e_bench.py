@@ -22,6 +22,7 @@ resident when asked for, prefetches that landed in time included).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -156,20 +157,15 @@ def flat_file(store: ExpertStore, path: Path) -> Path:
         return path
     entries = {}
     offset = 0
-    with open(path, "wb") as out:
+    with open(path, "wb") as out, contextlib.ExitStack() as files:
+        stripes = [files.enter_context(open(p, "rb")) for p in store.stripe_paths]
         for e in store.manifest.experts:
             data = bytearray(e.n_blocks * store.manifest.block_size)
-            ops = store.read_ops(e.layer, e.expert, 0)
-            with_files = [open(p, "rb") for p in store.stripe_paths]
-            try:
-                for op in ops:
-                    f = with_files[int(op["file_index"])]
-                    f.seek(int(op["file_offset"]))
-                    start = int(op["buf_offset"])
-                    data[start:start + int(op["length"])] = f.read(int(op["length"]))
-            finally:
-                for f in with_files:
-                    f.close()
+            for op in store.read_ops(e.layer, e.expert, 0):
+                f = stripes[int(op["file_index"])]
+                f.seek(int(op["file_offset"]))
+                start = int(op["buf_offset"])
+                data[start:start + int(op["length"])] = f.read(int(op["length"]))
             out.write(data[:e.nbytes])
             pad = -e.nbytes % 4096
             out.write(b"\0" * pad)
@@ -399,8 +395,7 @@ def main_flat_worker(args) -> int:
     """The worker of the mmap and ram modes (`flashmoe flat-worker`)."""
     import mmap as mmap_module
 
-    import torch
-
+    from common.arena import expert_torch_views
     from common.traces import load_trace
     from services.inference_worker.trace_compute import TraceExperts
 
@@ -427,25 +422,16 @@ def main_flat_worker(args) -> int:
     from common.model_families import FAMILIES
 
     family = FAMILIES[store.manifest.model_family]
-    dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
     def fetch(layer, experts, release, token):
         out = []
         for expert in experts:
             offset, _ = index[f"{layer},{expert}"]
             entry = store.expert(layer, expert)
-            views = {}
-            for t in entry.tensors:
-                views[t.name] = torch.frombuffer(buffer, dtype=dtypes[t.dtype],
-                                                 count=int(np.prod(t.shape)),
-                                                 offset=offset + t.offset).view(t.shape)
-            out.append(family.expert_parameters(
-                entry, memoryview(buffer)[offset:offset + entry.nbytes], views))
+            data = memoryview(buffer)[offset:offset + entry.nbytes]
+            out.append(family.expert_parameters(entry, data, expert_torch_views(data, entry)))
         return out
 
-    import warnings
-
-    warnings.simplefilter("ignore", UserWarning)  # read-only buffers: torch warns
     token_ms = []
     before = read_bytes(os.getpid())
     k = trace.top_k

@@ -171,6 +171,11 @@ class CacheManagerCore:
         free_slots = self.free_slots
         if free_slots and len(policy) < policy.capacity:
             return free_slots.pop()
+        return self._evict(policy)
+
+    def _evict(self, policy: EvictionPolicy) -> int | None:
+        """Evict the policy's victim (an unpinned RESIDENT expert) and return its slot; None
+        when there is none."""
         victim = policy.victim(self.hold)
         if victim is None:
             return None
@@ -451,14 +456,7 @@ class CacheManagerCore:
             return
         policy = self.policies[None]
         while len(self.slot_of) > capacity:
-            victim = policy.victim(self.hold)
-            policy.on_evict(victim)
-            self.stats["n_evict"] += 1
-            if victim in self.prefetched_unused:
-                self.prefetched_unused.discard(victim)
-                self.stats["prefetch_wasted"] += 1
-                self.stats["prefetch_wasted_bytes"] += self.expert_bytes[victim]
-            self.free_slots.append(self.slot_of.pop(victim))
+            self.free_slots.append(self._evict(policy))
         params = dataclasses.asdict(policy.params)
         self.capacity = capacity
         self.set_policy(self.policy_name, params)
