@@ -26,6 +26,7 @@ from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
 from flashmoe.device_model import DeviceModel, ModelShape
 from flashmoe.learning import Learning, LearningPath
+from services.predictor.core import recall_at
 from flashmoe.simulator import SIM_WORKER, replay_core
 
 
@@ -145,11 +146,6 @@ def plot_task_shift(report: dict, path: str) -> None:
 
 # --- recall and INT8 ----------------------------------------------------------------------------
 
-def _recall_at(top: np.ndarray, actual: np.ndarray) -> np.ndarray:
-    """Per layer: |top ∩ actual| / k for (L, k) top and (L, k) actual."""
-    return (top[:, :, None] == actual[:, None, :]).any(1).sum(1) / actual.shape[1]
-
-
 def recall_report(warmup_trace: Trace, trace: Trace, config: FlashMoEConfig,
                   warmup: str | None) -> dict:
     """recall@k per layer of the next-token and next-layer predictions and two baselines."""
@@ -177,12 +173,12 @@ def recall_report(warmup_trace: Trace, trace: Trace, config: FlashMoEConfig,
         p_used = learning.learner.last_p_used
         if p_used is not None and stream.position[t] > 0:
             top = np.argsort(-p_used.reshape(L, E), axis=1)[:, :K]
-            sums["next_token"] += _recall_at(top, actual)
+            sums["next_token"] += recall_at(top, actual)
             n["next_token"] += 1
         if previous is not None and stream.position[t] > 0:
-            sums["previous_token"] += _recall_at(previous, actual)
+            sums["previous_token"] += recall_at(previous, actual)
             n["previous_token"] += 1
-        sums["hot_list"] += _recall_at(hot, actual)
+        sums["hot_list"] += recall_at(hot, actual)
         n["hot_list"] += 1
         for layer in range(L):
             prefetcher.after_request(sink, SIM_WORKER, layer, actual[layer].tolist(),

@@ -118,6 +118,20 @@ def window_labels(used: np.ndarray, w: int) -> tuple[np.ndarray, ...]:
     return bucket_a, cens_a, bucket_b, cens_b, weight_b
 
 
+def recall_at(top: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """Per layer: |top ∩ actual| / k for (L, k) top and (L, k) actual."""
+    return (top[:, :, None] == actual[:, None, :]).any(1).sum(1) / actual.shape[1]
+
+
+def next_token_recall(p_used: np.ndarray, routing: np.ndarray) -> float:
+    """recall@k, over every layer, of the experts ``routing`` ((L, k)) used by the token that
+    followed an estimate, against the k experts of each layer the estimate gave the highest
+    chance of use (``p_used``, (L * E,))."""
+    L, k = routing.shape
+    top = np.argsort(-p_used.reshape(L, -1), axis=1)[:, :k]
+    return float(recall_at(top, routing).mean())
+
+
 class Learner:
     def __init__(self, num_layers: int, num_experts: int, dims: int, features: int,
                  params: LearnerParams = LearnerParams()) -> None:

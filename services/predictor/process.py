@@ -33,7 +33,7 @@ from common.protocol import FeatureBatch, LearningMessage, Prediction
 from common.service import Service, run_service_process
 from common.store import ExpertStore
 
-from .core import Learner, LearnerParams
+from .core import Learner, LearnerParams, next_token_recall
 
 
 class PredictorService(Service):
@@ -55,6 +55,7 @@ class PredictorService(Service):
         self.seq = 0
         self.latest: tuple[np.ndarray, int] | None = None  # (S, event seq), not yet published
         self.pending = False  # a prediction awaits its token's routing
+        self.recall_sum, self.recall_n = 0.0, 0  # recall@k of the next-token estimates
         self.last_publish = 0.0
         self.last_checkpoint = time.monotonic()
         self.resumed_from = ""
@@ -138,6 +139,9 @@ class PredictorService(Service):
         if self.learner is None:
             self.learner = self._make_learner(batch.dims, batch.features)
         if self.pending and not missed:
+            if self.learner.last_p_used is not None:  # how the last estimate did
+                self.recall_sum += next_token_recall(self.learner.last_p_used, routing)
+                self.recall_n += 1
             keys = (routing + (np.arange(self.layers) * self.experts)[:, None]).reshape(-1)
             self.learner.observe(keys)
         S = self.learner.predict(x.astype(np.float32), z)
@@ -200,8 +204,11 @@ class PredictorService(Service):
             tokens = max(self.learner.t, 1)
             out.update(model=self.learner.params.model, tokens=self.learner.t,
                        steps=self.learner.steps, drifts=len(self.learner.drifts),
+
                        **{f"cpu_ms_{k}": round(1e3 * v / tokens, 3)
                           for k, v in self.learner.cpu_s.items()})
+        if self.recall_n:  # once an estimate has met its token
+            out["recall_at_k"] = round(self.recall_sum / self.recall_n, 4)
         return out
 
 

@@ -111,6 +111,7 @@ def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
         launcher.stop_all()
     assert fx["events"] == T and fx["n_gap"] == 0 and fx["n_out_of_order"] == 0
     assert predictor["batches"] == T - 1 and predictor["n_gap"] == 0  # the last token: none
+    assert 0.2 < predictor["recall_at_k"] <= 1.0  # a hot list of 4 of 32 gets ~0.26
     assert live["predictions"] > T / 4 and live["rejected_malformed"] == 0
     # The simulator on the same slice, the same checkpoint, the worker's pace as its clock.
     learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k,
