@@ -351,6 +351,19 @@ class ExpertStore:
         ops["buf_index"] = slot
         return ops
 
+    def read_ops_batch(self, items: list[tuple[int, int, int]]) -> tuple[np.ndarray, list[int]]:
+        """The block reads of several (layer, expert, slot) loads in one array, and where each
+        load's reads end in it."""
+        plans = [self._plans[(layer, expert)] for layer, expert, _ in items]
+        ops = np.empty(sum(len(plan) for plan in plans), dtype=plans[0].dtype)
+        ends, end = [], 0
+        for (_, _, slot), plan in zip(items, plans):
+            ops[end:end + len(plan)] = plan
+            ops["buf_index"][end:end + len(plan)] = slot
+            end += len(plan)
+            ends.append(end)
+        return ops, ends
+
     def verify_expert_bytes(self, layer: int, expert: int, data: memoryview) -> None:
         """Raise ChecksumError naming the first bad block of an expert read into ``data``."""
         e = self.expert(layer, expert)

@@ -13,6 +13,11 @@ at a decode worker's pace: one acquire per layer's compute time of the device mo
 worker waiting on its accelerator would. Rounds of hits under misses alternate with rounds of
 hits alone, so that a drifting machine hits both alike; ``under_misses`` against the alone
 figures shows whether one worker's misses stall another's hits.
+
+Every contender (echo, hits alone, hits under misses) runs once per round, interleaved, and
+each figure is the median over rounds of that round's median or p99 (the spread over rounds,
+min..max, is kept beside it): on a shared 2-core machine one preempted burst should move one
+round, not the result.
 """
 
 from __future__ import annotations
@@ -57,30 +62,32 @@ def _time_loop(iterations: int, step) -> np.ndarray:
     return samples
 
 
-def transport_floor_us(iterations: int, runtime: Path) -> np.ndarray:
-    endpoint = ipc_endpoint(runtime, "echo")
-    proc = mp.get_context("spawn").Process(target=_echo_server, args=(endpoint,), daemon=True)
-    proc.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    payload = b"x" * 24  # about an encoded AcquireReq
+class _Echo:
+    """A bare ZeroMQ DEALER/ROUTER echo with a server process: the transport floor."""
 
-    def echo():
-        sock.send(payload)
-        if not sock.poll(10_000):
+    def __init__(self, runtime: Path) -> None:
+        endpoint = ipc_endpoint(runtime, "echo")
+        self.proc = mp.get_context("spawn").Process(target=_echo_server, args=(endpoint,),
+                                                    daemon=True)
+        self.proc.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.payload = b"x" * 24  # about an encoded AcquireReq
+        self()
+
+    def __call__(self) -> None:
+        self.sock.send(self.payload)
+        if not self.sock.poll(10_000):
             raise RuntimeError("echo server did not answer")
-        sock.recv()
+        self.sock.recv()
 
-    try:
-        echo()
-        return _time_loop(iterations, echo)
-    finally:
-        sock.send(b"stop")
-        proc.join(10)
-        sock.close()
-        ctx.term()
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.proc.join(10)
+        self.sock.close()
+        self.ctx.term()
 
 
 def core_only_us(store: ExpertStore, layer: int, experts: list[int], iterations: int) -> np.ndarray:
@@ -119,9 +126,15 @@ def miss_groups(store: ExpertStore, hot: set[tuple[int, int]], k: int) -> list:
     return groups
 
 
-def summary(samples: np.ndarray) -> dict:
-    return {"median_us": round(float(np.median(samples)), 1),
-            "p99_us": round(float(np.percentile(samples, 99)), 1)}
+def summary(rounds: list[np.ndarray]) -> dict:
+    """Median over rounds of each round's median and p99, with their spread."""
+    med = [float(np.median(r)) for r in rounds]
+    p99 = [float(np.percentile(r, 99)) for r in rounds]
+    return {"median_us": round(float(np.median(med)), 1),
+            "p99_us": round(float(np.median(p99)), 1),
+            "median_spread_us": [round(min(med), 1), round(max(med), 1)],
+            "p99_spread_us": [round(min(p99), 1), round(max(p99), 1)],
+            "round_medians_us": [round(m, 1) for m in med]}
 
 
 def acquire_bench(store_path: str, iterations: int = 20000, top_k: int | None = None,
@@ -145,15 +158,17 @@ def acquire_bench(store_path: str, iterations: int = 20000, top_k: int | None = 
     go, stop, counts = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
     streamer = ctx.Process(target=_miss_streamer, args=(endpoint, groups, go, stop, counts),
                            daemon=True)
+    echo, per_round = None, max(1, iterations // rounds)
     try:
         with CacheClient(endpoint, name="acquire-bench") as client:
             client.acquire(layer, experts)  # load once; every timed acquire is all hits
+            echo = _Echo(runtime)
             streamer.start()
             hit = lambda: client.acquire(layer, experts)  # noqa: E731
-            alone, under = [], []
-            per_round = max(1, iterations // rounds)
+            floor, alone, under = [], [], []
             streamed = 0.0
             for _ in range(rounds):
+                floor.append(_time_loop(per_round, echo))
                 alone.append(_time_loop(per_round, hit))
                 go.set()
                 while counts.value == 0:  # the streamer is connected and missing
@@ -163,20 +178,21 @@ def acquire_bench(store_path: str, iterations: int = 20000, top_k: int | None = 
                 streamed += (counts.value - before) / (time.perf_counter() - started)
                 go.clear()
             stats = client.stats()
-        transport = transport_floor_us(iterations, runtime)
     finally:
         stop.set()
         go.set()
+        if echo is not None:
+            echo.close()
         if streamer.pid is not None:
             streamer.join(10)
         stop_process(proc)
         shutil.rmtree(runtime, ignore_errors=True)
-    core = core_only_us(store, layer, experts, iterations)
-    acquire = np.concatenate(alone)
+    core = core_only_us(store, layer, experts, per_round * rounds)
+    core_rounds = [core[i * per_round:(i + 1) * per_round] for i in range(rounds)]
     return {"store": str(store_path), "layer": layer, "experts_per_acquire": len(experts),
-            "iterations": len(acquire), **summary(acquire),
-            "transport_floor": summary(transport), "core_only": summary(core),
-            "under_misses": {**summary(np.concatenate(under)),
+            "iterations": per_round * rounds, "rounds": rounds, **summary(alone),
+            "transport_floor": summary(floor), "core_only": summary(core_rounds),
+            "under_misses": {**summary(under),
                              "miss_acquires_per_s": round(streamed / rounds, 1)},
             "engine": stats["engine"], "n_hit": stats["n_hit"], "n_miss": stats["n_miss"],
             "n_byte_read": stats["n_byte_read"]}
@@ -195,6 +211,7 @@ def format_table(result: dict) -> str:
             f"{result['under_misses']['median_us']:>10.1f} "
             f"{result['under_misses']['p99_us']:>8.1f}",
             f"({result['experts_per_acquire']} experts per acquire, {result['iterations']} "
-            f"iterations each; the miss stream ran at "
+            f"iterations each in {result['rounds']} interleaved rounds, each figure the median "
+            f"over rounds; the miss stream ran at "
             f"{result['under_misses']['miss_acquires_per_s']:.0f} acquires/s, every one a miss)"]
     return "\n".join(rows)

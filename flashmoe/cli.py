@@ -161,7 +161,7 @@ def cmd_acquire_bench(args) -> int:
     from flashmoe import acquire_bench
 
     result = acquire_bench.acquire_bench(args.store, iterations=args.iterations,
-                                         engine=args.engine)
+                                         engine=args.engine, rounds=args.rounds)
     print(acquire_bench.format_table(result))
     if args.json:
         write_json(result, args.json)
@@ -591,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("acquire-bench", help="round-trip time of an all-resident AcquireReq")
     p.add_argument("store")
     p.add_argument("--iterations", type=int, default=20000)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds (each figure: the median over rounds)")
     p.add_argument("--engine", default="auto")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=cmd_acquire_bench)

@@ -167,7 +167,8 @@ class CacheManager:
                                      extra={ResidencyReq: self.handle_residency})
         self.endpoint = endpoint
         self.workers: dict[bytes, str] = {}
-        self.reads: dict[int, Load] = {}  # engine batch id -> the load it carries
+        # engine batch id -> the loads it carries: (load, its first op, end)
+        self.reads: dict[int, list[tuple[Load, int, int]]] = {}
         self.read_latency_us: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.section_digests = config.section_digests()
         self.state = State.RUNNING
@@ -359,44 +360,55 @@ class CacheManager:
         free = self.config.io.queue_depth - self.engine.inflight() - self.engine.queued()
         return 0 if free <= 0 else -(-free // self.max_blocks)
 
-    def start_loads(self, loads: list[Load]) -> None:
-        for load in loads:
-            ops = self.store.read_ops(*load.key, load.slot)
+    def start_loads(self, loads: list[Load], together: bool = False) -> None:
+        """Submit the reads of ``loads``: one engine batch per load, or with ``together`` one
+        batch for all of them (one submission, one completion: a demand request waits for
+        all its experts anyway, and a miss costs one system call instead of one per expert).
+        Prefetches go one by one, so that each is usable as soon as its own reads are in."""
+        for group in ([loads] if together and len(loads) > 1 else [[load] for load in loads]):
+            ops, ends = self.store.read_ops_batch([(*load.key, load.slot) for load in group])
             try:
                 batch = self.engine.submit(ops)
             except IOEngineError as exc:
                 if self.engine.failed:
                     raise
-                self.counters["n_io_error"] += 1
-                self.finish(load, False, "io_error", f"submitting the reads failed: {exc}")
+                for load in group:
+                    self.counters["n_io_error"] += 1
+                    self.finish(load, False, "io_error", f"submitting the reads failed: {exc}")
                 continue
-            self.reads[batch] = load
+            self.reads[batch] = [(load, start, end) for load, start, end
+                                 in zip(group, [0] + ends[:-1], ends)]
 
     def reap(self) -> None:
-        for batch, ops in self.engine.reap():
-            load = self.reads.pop(batch, None)
-            if load is None:
+        for batch, batch_ops in self.engine.reap():
+            members = self.reads.pop(batch, None)
+            if members is None:
                 log.error("the IO engine completed an unknown batch %d; ignored", batch)
                 continue
-            lengths = ops["length"]
-            if not np.array_equal(ops["result"], lengths):
-                self.counters["n_io_error"] += 1
-                first = ops[ops["result"] != lengths][0]
-                layer, expert = load.key
-                self.finish(load, False, "io_error",
-                            f"layer {layer} expert {expert}: read of stripe "
-                            f"{int(first['file_index'])} returned {int(first['result'])} of "
-                            f"{int(first['length'])} bytes")
-                continue
-            self.counters["n_byte_read"] += int(lengths.sum())
-            self.read_latency_us.append(
-                (int(ops["t_complete_ns"].max()) - int(ops["t_submit_ns"].min())) / 1000)
-            if not self.config.io.verify_checksums:
-                self.finish(load, True)
-            elif load.nbytes <= Verifier.INLINE_BYTES:
-                self.verified(load, self.verifier.check(load))
-            else:
-                self.verifier.submit(load)
+            for load, start, end in members:
+                self.loaded(load, batch_ops[start:end])
+
+    def loaded(self, load: Load, ops: np.ndarray) -> None:
+        """One load's reads are complete: check their lengths, then its checksum."""
+        lengths = ops["length"]
+        if not np.array_equal(ops["result"], lengths):
+            self.counters["n_io_error"] += 1
+            first = ops[ops["result"] != lengths][0]
+            layer, expert = load.key
+            self.finish(load, False, "io_error",
+                        f"layer {layer} expert {expert}: read of stripe "
+                        f"{int(first['file_index'])} returned {int(first['result'])} of "
+                        f"{int(first['length'])} bytes")
+            return
+        self.counters["n_byte_read"] += int(lengths.sum())
+        self.read_latency_us.append(
+            (int(ops["t_complete_ns"].max()) - int(ops["t_submit_ns"].min())) / 1000)
+        if not self.config.io.verify_checksums:
+            self.finish(load, True)
+        elif load.nbytes <= Verifier.INLINE_BYTES:
+            self.verified(load, self.verifier.check(load))
+        else:
+            self.verifier.submit(load)
 
     def verified(self, load: Load, error: ChecksumError | None) -> None:
         if error is None:
@@ -461,7 +473,9 @@ class CacheManager:
         self.counters["n_acquire"] += 1
         position = self.layer_position.get(msg.layer)
         if position is not None:
-            np.add.at(self.popularity[position], msg.experts, 1.0)
+            counts = self.popularity[position]
+            for expert in msg.experts:  # (np.add.at costs more than this loop for a few)
+                counts[expert] += 1.0
         try:
             slots, loads, waiter = self.core.acquire(identity, msg.layer, msg.experts,
                                                      msg.release_layers, tag=(identity, msg.seq))
@@ -471,7 +485,7 @@ class CacheManager:
         if waiter is None:
             self.send(identity, AcquireRep(msg.seq, msg.layer, slots))
         if loads:
-            self.start_loads(loads)
+            self.start_loads(loads, together=True)
         if self.prefetcher is not None:
             position = self.layer_position.get(msg.layer)
             if position is not None:

@@ -19,6 +19,13 @@ def test_acquire_bench_reports_round_trip_and_floor(tiny_store, tmp_path):
     assert doc["median_us"] > 0 and doc["transport_floor"]["median_us"] > 0
     assert doc["core_only"]["median_us"] > 0
     assert doc["under_misses"]["p99_us"] > 0 and doc["under_misses"]["miss_acquires_per_s"] > 0
+    # Each figure is the median over the interleaved rounds, inside its spread.
+    assert doc["rounds"] == 5
+    for fig in (doc, doc["transport_floor"], doc["under_misses"]):
+        lo, hi = fig["p99_spread_us"]
+        assert lo <= fig["p99_us"] <= hi
+        lo, hi = fig["median_spread_us"]
+        assert lo <= fig["median_us"] <= hi
 
 
 @pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "warp").is_dir(),

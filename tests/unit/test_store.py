@@ -7,6 +7,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,12 @@ def test_layout_stripes_alignment_and_non_expert_weights(tiny_store):
             assert offset % ALIGN == 0 and op["length"] % ALIGN == 0
             blocks_per_stripe[stripe] += 1
     assert min(blocks_per_stripe) > 0
+    # Several loads in one batch: the same reads, each load's slot, ends marking each load.
+    items = [(e.layer, e.expert, slot) for slot, e in enumerate(m.experts[:3])]
+    ops, ends = store.read_ops_batch(items)
+    parts = [store.read_ops(*item) for item in items]
+    assert ends == list(np.cumsum([len(part) for part in parts]))
+    assert ops.tobytes() == np.concatenate(parts).tobytes()
     manifest = json.loads((tiny_store / MANIFEST_NAME).read_text())
     assert manifest["format_version"] == FORMAT_VERSION == 2 and manifest["alignment"] == 4096
     assert (tiny_store / "non_expert.safetensors").stat().st_size > 0
