@@ -484,7 +484,7 @@ def cmd_e2e_bench(args) -> int:
             run_warmup(load_trace("gptoss20b:train", Path(args.traces_dir)),
                        load_config(env={}), warmup)
     report = e2e_bench.e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds,
-                                 args.modes, warmup, shape=args.shape)
+                                 args.modes, warmup, trace=args.trace, shape=args.shape)
     print(e2e_bench.format_table(report))
     if args.json:
         write_json(report, args.json)
@@ -838,7 +838,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=".flashmoe/e2e", help="store, expert file, warm-up")
     p.add_argument("--scale", type=float, default=0.21,
                    help="gpt-oss-20b expert size multiplier (0.21: an ~8 GB store)")
-    p.add_argument("--shape", default="gpt-oss-20b", help="gpt-oss-20b, or gpt-oss-tiny (tests)")
+    p.add_argument("--shape", default="gpt-oss-20b",
+                   help="gpt-oss-20b; qwen3-moe-1.7b (the mmap calibration against llama.cpp, "
+                        "with --trace warp:olmoe --modes mmap,ram); gpt-oss-tiny (tests)")
+    p.add_argument("--trace", default="gptoss20b:eval",
+                   help="the routing replayed (its first --tokens decode steps)")
     p.add_argument("--budget", type=_csv(float), default=[0.25],
                    help="RAM budget(s) as fractions of all experts' bytes")
     p.add_argument("--tokens", type=int, default=200, help="decode steps of the eval split")

@@ -311,6 +311,15 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
     store = synth_store(workdir / f"store-{shape}-{scale}", shape, scale, show_progress=False)
     experts_bytes = sum(e.nbytes for e in store.manifest.experts)
     n_experts = len(store.manifest.experts)
+    from common.traces import TraceError, load_trace
+
+    routing = load_trace(trace)
+    m = store.manifest
+    if (routing.num_layers, routing.num_experts, routing.top_k) != \
+            (len(m.moe_layers), m.num_experts, m.top_k):
+        raise TraceError(f"trace {trace} routes {routing.num_layers} layers x "
+                         f"{routing.num_experts} experts, top-{routing.top_k}; the {shape} store "
+                         f"has {len(m.moe_layers)} x {m.num_experts}, top-{m.top_k}")
     skipped = {}
     if "mmap" in modes:
         reason = cgroup_unavailable_reason()
@@ -383,7 +392,7 @@ def plot(report: dict, path: str) -> None:
     ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(budgets))])
     ax.set_xticklabels([f"{b:g} of the experts' bytes" for b in budgets])
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"end to end, gpt-oss-20b shape at scale {report['scale']}")
+    ax.set_title(f"end to end, {report['shape']} shape at scale {report['scale']}")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

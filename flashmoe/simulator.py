@@ -350,7 +350,11 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
     _SHARED["requests"] = requests
     if any(needs_future(p) for p in policies):
         _SHARED["next_use"] = next_use_positions(requests)
-    work = [(p, capacities[f]) for f in fractions for p in policies]
+    # The slowest runs first (the learned policy, then the scored ones, whose victims are
+    # ranked), so that the pool's processes finish together.
+    cost = {**{p: 1 for p in policies if needs_core(p)}, "flashmoe": 0}
+    work = sorted(((p, capacities[f]) for f in fractions for p in policies),
+                  key=lambda job: cost.get(job[0], 2))
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
     metrics: dict[tuple[str, int], dict] = {}
     seconds: dict[tuple[str, int], float] = {}

@@ -41,6 +41,12 @@ SHAPES = {
     "gpt-oss-20b": SynthShape("gpt-oss-20b", "gpt_oss", 2880, 2880, 24, 32, 4),
     # gpt-oss-20b's layers, experts and top-k with tiny experts: tests and quick runs.
     "gpt-oss-tiny": SynthShape("gpt-oss-tiny", "gpt_oss", 64, 64, 24, 32, 4),
+    # The mmap calibration's model: the 1.7 B Qwen3-MoE llama.cpp was measured on here (16
+    # layers, 64 experts, top-8, hidden 1024, 3.3 GB f16 GGUF of which ~3.0 GB experts), in
+    # the gpt-oss projection layout (a fused gate_up): the bytes per expert and per token and
+    # the products per expert are that model's; routing from a trace of the same topology
+    # (warp:olmoe, OLMoE's 16 x 64, top-8).
+    "qwen3-moe-1.7b": SynthShape("qwen3-moe-1.7b", "gpt_oss", 1024, 480, 16, 64, 8),
 }
 
 

@@ -36,3 +36,13 @@ def test_every_mode_runs_and_reports(tmp_path):
     assert modes["lru"]["bytes_read"] > 0 and modes["flashmoe"]["bytes_read"] > 0
     text = e2e_bench.format_table(report)
     assert "flashmoe" in text and json.dumps(report)
+
+
+def test_a_trace_of_another_topology_is_refused_by_name(tmp_path):
+    from common.traces import TraceError
+
+    if not (DEFAULT_TRACES_DIR / "warp").is_dir():
+        pytest.skip(f"warp traces not found at {DEFAULT_TRACES_DIR}")
+    with pytest.raises(TraceError, match="16 layers x 64 experts, top-8.*24 x 32, top-4"):
+        e2e_bench.e2e_bench(tmp_path / "work", 1.0, [0.25], 4, 1, ["ram"], "",
+                            trace="warp:olmoe", shape="gpt-oss-tiny")

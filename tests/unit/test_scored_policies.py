@@ -83,3 +83,61 @@ def test_the_per_request_replay_cannot_run_them(name):
     policy = make_policy(name, 4)
     with pytest.raises(PolicyError, match="core"):
         policy.on_request(0)
+
+
+def test_leaststale_per_layer_lists_pick_the_scored_rankings_victims():
+    """Least-Stale's per-layer LRU lists are a shortcut for scored.py's ranking (S = 0): the
+    same victim, request after request, with pins and the request's own experts excluded."""
+    from services.cache_manager.policies.scored import ScoredPolicy
+
+    rng = np.random.default_rng(1)
+    fast = make_policy("leaststale", 6)
+    fast.configure(list(range(L)), E)
+    resident: list[tuple[int, int]] = []
+    layer, evictions = -1, 0
+    for _ in range(2000):
+        layer = (layer + 1) % L if rng.random() < 0.8 else int(rng.integers(L))
+        experts = rng.choice(E, size=2, replace=False).tolist()
+        fast.on_request(layer, experts)
+        pinned = {resident[i] for i in rng.choice(len(resident), min(2, len(resident)),
+                                                  replace=False)} if resident else set()
+        for e in experts:
+            key = (layer, e)
+            if key in fast:
+                fast.on_hit(key)
+                continue
+            if len(fast) >= fast.capacity:
+                want = ScoredPolicy.victim(fast, pinned)  # the generic ranking
+                got = fast.victim(pinned)
+                assert got == want
+                evictions += 1
+                fast.on_evict(got)
+                resident.remove(got)
+            fast.on_insert(key)
+            resident.append(key)
+    assert evictions > 500
+
+
+@pytest.mark.parametrize("name", ["nextuse", "flashmoe"])
+def test_the_kept_variant_per_key_is_the_one_scores_selects(name):
+    """Ranking reads each key's S variant from an array kept up to date as layers are visited
+    and experts used (and when a new estimate arrives); it must equal scores()' choice."""
+    rng = np.random.default_rng(2)
+    core = CacheManagerCore(KNOWN, n_slots=6, policy=name, prefetch_budget=1)
+    policy = core.policies[None]
+    early = 0
+    for step in range(300):
+        if name == "flashmoe" and step % 7 == 0:
+            policy.set_estimate(rng.random((3, L * E)) * 10)
+        layer = step % L
+        experts = rng.choice(E, size=2, replace=False).tolist()
+        _, loads, _ = core.acquire(W, layer, experts, release_layers=[(layer - 1) % L])
+        for load in loads:
+            core.finish_load(load.key, ok=True)
+        if step % 3 == 0:  # a prefetch of a later layer: used before its layer is visited
+            core.hint((layer + 1) % L, rng.choice(E, size=1).tolist())
+            for load in core.issue_prefetches(1):
+                core.finish_load(load.key, ok=True)
+            early += len(policy._early)
+        assert np.allclose(policy.scores() - policy._d[policy.layer], policy._est)
+    assert early > 0

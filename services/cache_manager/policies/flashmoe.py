@@ -56,6 +56,7 @@ class FlashMoEPolicy(ScoredPolicy):
                              f"{(3, len(layers) * E)}")
         for i, layer in enumerate(layers):
             self.S[:, layer * E:(layer + 1) * E] = S[:, i * E:(i + 1) * E]
+        self._update_estimate()
         self.fallback = False
         self.estimates += 1
 

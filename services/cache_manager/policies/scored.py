@@ -56,6 +56,11 @@ class ScoredPolicy(EvictionPolicy):
         layers_now = np.arange(self.num_layers)[:, None]
         self._d = ((self.layer_of[None, :] - layers_now - 1) % self.num_layers).astype(np.float64)
         self._visited = self.layer_of[None, :] <= layers_now
+        # Each key's S variant right now (what ``scores`` selects), kept up to date as the
+        # token advances so that ranking gathers one array instead of choosing among three.
+        self._est = self.S[0].copy()
+        self._visited_end = 0  # keys [0, _visited_end) belong to layers visited this token
+        self._early: list[int] = []  # keys used this token before their layer (prefetched)
         self.token = -1
         self.layer = -1
         self.clock = 0.0
@@ -76,12 +81,29 @@ class ScoredPolicy(EvictionPolicy):
         if layer <= self.layer or self.token < 0:
             self.token += 1
             self.refresh()
+            self._est[:] = self.S[0]
+            self._visited_end = 0
+            self._early.clear()
         self.layer = layer
+        end = (layer + 1) * self.num_experts
+        if end > self._visited_end:  # these layers are visited from now on: not used yet,
+            start, self._visited_end = self._visited_end, end  # but for the early ones
+            self._est[start:end] = self.S[1][start:end]
+            for i in self._early:
+                if start <= i < end:
+                    self._est[i] = self.S[2][i]
         self._requested = [layer * self.num_experts + e for e in experts]
         self._ranked = None
 
     def refresh(self) -> None:
         """A new token began: update ``self.S`` (the policy's estimate)."""
+
+    def _update_estimate(self) -> None:
+        """Re-select every key's variant (after ``S`` changed outside ``refresh``)."""
+        S = self.S
+        visited = np.arange(len(self._est)) < self._visited_end
+        used = self.used_token == self.token
+        self._est[:] = np.where(visited, np.where(used, S[2], S[1]), S[0])
 
     # --- the policy protocol ------------------------------------------------------------------
 
@@ -95,6 +117,10 @@ class ScoredPolicy(EvictionPolicy):
         self.clock += 1.0
         self.last_use[i] = self.clock
         self.used_token[i] = self.token
+        if i < self._visited_end:
+            self._est[i] = self.S[2][i]
+        else:
+            self._early.append(i)
 
     def on_hit(self, key: Key) -> None:
         self._touch(self._index(key))
@@ -130,11 +156,8 @@ class ScoredPolicy(EvictionPolicy):
         count = min(count, len(idx))
         if count <= 0:
             return []
-        S, layer = self.S, self.layer
-        used = self.used_token[idx] == self.token
-        estimate = np.where(self._visited[layer][idx], np.where(used, S[2][idx], S[1][idx]),
-                            S[0][idx])
-        composite = (self._d[layer][idx] + estimate) * TIE_SCALE - self.last_use[idx]
+        composite = (self._d[self.layer][idx] + self._est[idx]) * TIE_SCALE \
+            - self.last_use[idx]
         top = np.argpartition(composite, len(idx) - count)[len(idx) - count:]
         return idx[top[np.argsort(-composite[top], kind="stable")]].tolist()
 
