@@ -178,6 +178,7 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                 p.feed(next_use[start * L * K:stop * L * K].tolist())
         hooks.start(core)
         acquire, finish, stats = core.acquire, core.finish_load, core.stats
+        hooked = type(hooks) is not ReplayHooks  # the plain replay skips the no-op calls
         heap: list = []
         step = start * L
         token = start
@@ -185,7 +186,8 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
             while heap and heap[0][0] <= now:
                 finish(heapq.heappop(heap)[2], True)
             token = start + offset
-            hooks.before_request(core, now, token, layer)
+            if hooked:
+                hooks.before_request(core, now, token, layer)
             before = stats["n_hit"]
             _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release)
             if loads and not heap:
@@ -208,12 +210,13 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                         now = done_at
             hits[step] = stats["n_hit"] - before
             step += 1
-            hooks.after_request(core, now, token, layer, experts)
+            if hooked:
+                hooks.after_request(core, now, token, layer, experts)
             if core.pending_hints and ssd.free_at - now < transfer_ms:
                 for load in core.issue_prefetches(1):
                     heapq.heappush(heap, (ssd.read(now, load.nbytes), next(tie), load.key))
             now += compute_ms
-            if layer == L - 1:
+            if hooked and layer == L - 1:
                 hooks.after_token(token, now)
         while heap:
             finish(heapq.heappop(heap)[2], True)
