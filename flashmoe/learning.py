@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import FlashMoEConfig
-from common.threads import limit_learning_threads
+from common.threads import limit_threads
 from common.traces import TokenStream, Trace
 from flashmoe.errors import CheckpointError
 from flashmoe.simulator import SIM_WORKER, ReplayHooks
@@ -45,7 +45,7 @@ class Learning:
     @classmethod
     def create(cls, num_layers: int, num_experts: int, top_k: int,
                config: FlashMoEConfig) -> "Learning":
-        limit_learning_threads()  # the learning path runs on one thread (common/threads.py)
+        limit_threads()  # the learning path runs on one thread (common/threads.py)
         extractor = ExtractorCore(num_layers, num_experts, top_k,
                                   config.features.pca_components)
         learner = Learner(num_layers, num_experts, extractor.pca.out_dim, len(FEATURES),

@@ -41,6 +41,7 @@ from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Hello, 
                              WorkerToCache, encode)
 from common.service import arm_parent_death_signal, setup_process_logging
 from common.store import ChecksumError, ExpertStore
+from common.threads import limit_threads
 
 from .core import AcquireFailed, CacheManagerCore, Load, Waiter
 from .io_engine import IOEngineError, open_engine
@@ -599,6 +600,7 @@ def run_cache_manager_process(config: FlashMoEConfig, endpoint: str, control_end
     exit status (``EXIT_ENGINE_FAILED`` when the IO engine failed)."""
     arm_parent_death_signal()
     setup_process_logging()
+    limit_threads(torch_too=False)  # one thread: see common/threads.py
     try:
         manager = CacheManager(config, endpoint, control_endpoint, predictions)
     except Exception:
