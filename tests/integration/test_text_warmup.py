@@ -29,25 +29,30 @@ def test_text_warmup_records_the_models_own_routing(tiny_store, tiny_checkpoints
     sequences = text_sequences(TEXT, load_tokenizer(tiny_store))
     assert trace.n_sequences == len(sequences)
     assert trace.n_tokens == sum(len(s) - 1 for s in sequences)
-    # The routing is the model's: transformers' own forward over the same ids (eager experts)
-    # picks the same experts at every step's position.
+    # The routing is the model's: transformers' own forward (eager experts), stepped as the
+    # recording steps (the first token, then one token at a time on the KV cache), picks the
+    # same experts at every step. (A single forward over the whole sequence runs other
+    # matrix shapes and can break a near-tie differently.)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoints["qwen3_moe"]),
                                                  experts_implementation="eager")
-    routed = {}
+    routed: dict[int, list] = {}
     routers = family_for_config(model.config.to_dict()).routers(model)
     hooks = [module.register_forward_hook(
-        lambda mod, args, output, layer=layer: routed.__setitem__(  # (logits, w, indices)
-            layer, next(t for t in output if not t.is_floating_point())))
+        lambda mod, args, output, layer=layer: routed.setdefault(layer, []).append(  # indices
+            next(t for t in output if not t.is_floating_point())))
         for layer, module in routers]
     try:
         with torch.inference_mode():
-            model(torch.tensor([sequences[0]]))
+            past = model(torch.tensor([sequences[0][:1]]), use_cache=True).past_key_values
+            for token in sequences[0][1:]:
+                past = model(torch.tensor([[token]]), past_key_values=past,
+                             use_cache=True).past_key_values
     finally:
         for h in hooks:
             h.remove()
     first = trace.experts[:len(sequences[0]) - 1]  # steps 1.. of sequence 0
     for i, (layer, _) in enumerate(routers):
-        top = routed[layer].reshape(len(sequences[0]), -1)[1:].numpy()
+        top = torch.cat([t.reshape(1, -1) for t in routed[layer][1:]]).numpy()
         assert np.array_equal(np.sort(first[:, i], -1), np.sort(top, -1)), layer
     learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k,
                                load_config(env={}))
