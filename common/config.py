@@ -188,7 +188,6 @@ class PanelConfig:
         secret=True))
 
 
-
 _CLUSTER_FIXED = "the Redis link is made when a service starts: restart the services to change it"
 
 

@@ -347,9 +347,7 @@ class ExpertStore:
 
     def read_ops(self, layer: int, expert: int, slot: int) -> np.ndarray:
         """Block reads that bring one expert into arena slot ``slot`` (a fresh copy)."""
-        ops = self._plans[(layer, expert)].copy()
-        ops["buf_index"] = slot
-        return ops
+        return self.read_ops_batch([(layer, expert, slot)])[0]
 
     def read_ops_batch(self, items: list[tuple[int, int, int]]) -> tuple[np.ndarray, list[int]]:
         """The block reads of several (layer, expert, slot) loads in one array, and where each

@@ -10,14 +10,13 @@ Head-of-line blocking: the same hits are timed again while a second worker proce
 misses (every one of its acquires needs a real read through the IO engine and a checksum)
 at a decode worker's pace: one acquire per layer's compute time of the device model
 (gpt-oss-20b on a Jetson Orin, ``STREAM_COMPUTE_S``), in which its process sleeps as a
-worker waiting on its accelerator would. Rounds of hits under misses alternate with rounds of
-hits alone, so that a drifting machine hits both alike; ``under_misses`` against the alone
-figures shows whether one worker's misses stall another's hits.
+worker waiting on its accelerator would; ``under_misses`` against the alone figures shows
+whether one worker's misses stall another's hits.
 
-Every contender (echo, hits alone, hits under misses) runs once per round, interleaved, and
-each figure is the median over rounds of that round's median or p99 (the spread over rounds,
-min..max, is kept beside it): on a shared 2-core machine one preempted burst should move one
-round, not the result.
+Every contender (echo, hits alone, hits under misses) runs once per round, interleaved, so
+that a drifting machine hits them alike, and each figure is the median over rounds of that
+round's median or p99 (the spread over rounds, min..max, is kept beside it): on a shared
+2-core machine one preempted burst should move one round, not the result.
 """
 
 from __future__ import annotations

@@ -31,6 +31,16 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    "--fields` for AUTH and TLS)")
 
 
+
+def _save(args, doc: dict, plot=None) -> None:
+    """A report's --json (and, given its plot function, --plot) files, each announced."""
+    if args.json:
+        write_json(doc, args.json)
+        print(f"wrote {args.json}")
+    if plot is not None and args.plot:
+        plot(doc, args.plot)
+        print(f"wrote {args.plot}")
+
 def _overrides(args) -> list[str]:
     """``--set`` items, after the ones the shorthand flags make."""
     return ([f"cluster.redis_url={args.redis}"] if args.redis else []) + list(args.set)
@@ -151,9 +161,7 @@ def cmd_io_bench(args) -> int:
     results = io_bench.io_bench(args.store, args.engine, args.depth, repeat=args.repeat,
                                 with_fio=not args.no_fio, extra=extra)
     print(io_bench.format_table(results))
-    if args.json:
-        write_json(io_bench.report(results, args.store), args.json)
-        print(f"wrote {args.json}")
+    _save(args, io_bench.report(results, args.store))
     return 0
 
 
@@ -163,9 +171,7 @@ def cmd_acquire_bench(args) -> int:
     result = acquire_bench.acquire_bench(args.store, iterations=args.iterations,
                                          engine=args.engine, rounds=args.rounds)
     print(acquire_bench.format_table(result))
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
+    _save(args, result)
     return 0
 
 
@@ -242,12 +248,7 @@ def cmd_bench(args) -> int:
                                  warmup=args.warmup, prefetch=args.prefetch,
                                  stale_tokens=args.stale_tokens)
     print(simulator.format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        simulator.plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    _save(args, report, simulator.plot)
     return 0
 
 
@@ -325,9 +326,7 @@ def cmd_bus_bench(args) -> int:
                       load_config(profile=args.profile, file=args.config,
                                   overrides=[f"store.path={store}", *args.set]))}
     print(bus_bench.format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
+    _save(args, report)
     return 0
 
 
@@ -346,12 +345,7 @@ def cmd_task_shift(args) -> int:
     for row in report["drift"]:
         print(f"after the switch to {row['dataset']} at token {row['token']}: FlashMoE "
               f"{row['with_drift']:.4f} with drift handling, {row['without_drift']:.4f} without")
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        learning_report.plot_task_shift(report, args.plot)
-        print(f"wrote {args.plot}")
+    _save(args, report, learning_report.plot_task_shift)
     return 0
 
 
@@ -386,9 +380,7 @@ def cmd_learning_report(args) -> int:
     for name, entry in recall.items():
         print(f"recall@{trace.top_k} {name}: {entry['mean']:.3f}")
     print(json.dumps(doc["int8"], indent=1))
-    if args.json:
-        write_json(doc, args.json)
-        print(f"wrote {args.json}")
+    _save(args, doc)
     return 0
 
 
@@ -402,9 +394,7 @@ def cmd_ablations(args) -> int:
     report = ablations.ablations(fit, dev, DEVICES["orin-980pro"], MODEL_SHAPES[fit.model],
                                  _config(args), args.variants, tuple(args.capacity), args.jobs)
     print(ablations.format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
+    _save(args, report)
     return 0
 
 
@@ -486,12 +476,7 @@ def cmd_e2e_bench(args) -> int:
     report = e2e_bench.e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds,
                                  args.modes, warmup, trace=args.trace, shape=args.shape)
     print(e2e_bench.format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        e2e_bench.plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    _save(args, report, e2e_bench.plot)
     return 0
 
 
@@ -504,12 +489,7 @@ def cmd_cluster_bench(args) -> int:
                                          or None, args.tokens, args.capacity,
                                          args.warmup_tokens, args.device, Path(args.traces_dir))
     print(cluster_bench.format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        cluster_bench.plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    _save(args, report, cluster_bench.plot)
     return 0
 
 

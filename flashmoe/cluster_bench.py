@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from common.cluster import (
     PARTS,
@@ -59,36 +60,45 @@ def _first_tokens_covering(trace: Trace, tokens: int) -> Trace:
                  trace.sequences[:count])
 
 
-class PrivateRedis:
-    """A ``redis-server`` child on a free port, without persistence."""
+class RedisServer:
+    """A ``redis-server`` child on a free port, without persistence (``args``: more of its
+    options); ``stop`` and ``start`` again keep the port (a restarted Redis, empty). The
+    cluster benchmark's private Redis, and the tests'."""
 
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it); "
-                               "or pass --redis URL")
+    def __init__(self, *args: str) -> None:
+        self.binary = shutil.which("redis-server")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"],
-                                     stdout=subprocess.DEVNULL)
+        self.args, self.proc = args, None
         self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        if self.binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it); "
+                               "or pass --redis URL")
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind",
+                                      "127.0.0.1", "--save", "", "--appendonly", "no",
+                                      *self.args], stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
+                return self
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError("redis-server did not start within 10 s") from None
                 time.sleep(0.05)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+    def stop(self, kill: bool = False) -> None:
+        """Terminate it (``kill``: SIGKILL, a crashed Redis)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(10)
+
+    def client(self, password: str | None = None) -> redis.Redis:
+        return redis.Redis.from_url(self.url, password=password)
 
 
 def _link(config: FlashMoEConfig, url: str, device: str, fingerprint: str) -> ClusterLink:
@@ -125,7 +135,7 @@ def cluster_bench(config: FlashMoEConfig, workdir: Path, redis_url: str | None =
     fingerprint = model_fingerprint({"model": train.model, "layers": L, "experts": E,
                                      "top_k": K})
     shape = ModelShape.of(L, E, config.features, config.predictor)
-    server = PrivateRedis() if redis_url is None else None
+    server = RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
     arms: dict[str, Learning | None] = {}
     exchange: dict = {}

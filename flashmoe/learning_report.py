@@ -26,7 +26,7 @@ from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
 from flashmoe.device_model import DeviceModel, ModelShape
 from flashmoe.learning import Learning, LearningPath
-from services.predictor.core import recall_at
+from services.predictor.core import next_token_recall_per_layer, recall_at
 from flashmoe.simulator import SIM_WORKER, replay_core
 
 
@@ -172,8 +172,7 @@ def recall_report(warmup_trace: Trace, trace: Trace, config: FlashMoEConfig,
         actual = trace.experts[t].astype(np.int64)
         p_used = learning.learner.last_p_used
         if p_used is not None and stream.position[t] > 0:
-            top = np.argsort(-p_used.reshape(L, E), axis=1)[:, :K]
-            sums["next_token"] += recall_at(top, actual)
+            sums["next_token"] += next_token_recall_per_layer(p_used, actual)
             n["next_token"] += 1
         if previous is not None and stream.position[t] > 0:
             sums["previous_token"] += recall_at(previous, actual)

@@ -72,6 +72,13 @@ class Load:
         return f"Load({self.key}, slot={self.slot}, prefetch={self.prefetch})"
 
 
+def _refuse_oracle(policy: str) -> None:
+    """PolicyError for a policy that needs the future (only the trace simulator runs one)."""
+    if needs_future(policy):
+        raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
+                          f"simulator (`flashmoe bench`) can run it")
+
+
 class CacheManagerCore:
     def __init__(self, expert_bytes: Mapping[ExpertKey, int], n_slots: int,
                  policy: str = "lru", policy_params: Mapping | None = None,
@@ -83,9 +90,8 @@ class CacheManagerCore:
         policies that need the future."""
         if scope not in ("global", "layer"):
             raise ValueError(f"scope must be global or layer, got {scope!r}")
-        if needs_future(policy) and not allow_oracle:
-            raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
-                              f"simulator (`flashmoe bench`) can run it")
+        if not allow_oracle:
+            _refuse_oracle(policy)
         self.expert_bytes = expert_bytes
         self.n_slots = n_slots  # the arena's slots
         self.capacity = n_slots  # the slots in use (lowered live by set_capacity)
@@ -412,9 +418,7 @@ class CacheManagerCore:
         with every expert now in the arena (resident or loading) as just inserted; pins,
         loads and slots are untouched. Raises PolicyError (unknown name, bad parameters, an
         oracle) and changes nothing then."""
-        if needs_future(policy):
-            raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
-                              f"simulator (`flashmoe bench`) can run it")
+        _refuse_oracle(policy)
         layers = sorted({layer for layer, _ in self.expert_bytes})
         num_experts = max(expert for _, expert in self.expert_bytes) + 1
         if self.scope == "global":
@@ -432,9 +436,7 @@ class CacheManagerCore:
 
     def check_policy(self, policy: str, policy_params: Mapping | None = None) -> None:
         """Raise PolicyError where ``set_policy`` would; change nothing."""
-        if needs_future(policy):
-            raise PolicyError(f"policy {policy!r} needs future knowledge; only the trace "
-                              f"simulator (`flashmoe bench`) can run it")
+        _refuse_oracle(policy)
         make_policy(policy, self.capacity, policy_params)
 
     def set_capacity(self, capacity: int, check: bool = False) -> None:

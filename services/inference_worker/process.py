@@ -69,14 +69,13 @@ class TraceWorker:
             t = start + offset
             if layer == 0:
                 self._pace()
+                if compute is not None:
+                    hidden = compute.new_token(stream.input_token[t])
             elif self.pace_ms:  # the layers spread over the step, as a model's compute does
                 left = self._token_started + layer * self.pace_ms / 1000 / (last + 1) \
                     - time.monotonic()
                 if left > 0:
                     time.sleep(left)
-            if layer == 0:
-                if compute is not None:
-                    hidden = compute.new_token(stream.input_token[t])
             if compute is None:
                 client.acquire(layer, experts, release, stream.input_token[t])
             else:  # the acquire happens inside, with the same release

@@ -123,13 +123,18 @@ def recall_at(top: np.ndarray, actual: np.ndarray) -> np.ndarray:
     return (top[:, :, None] == actual[:, None, :]).any(1).sum(1) / actual.shape[1]
 
 
-def next_token_recall(p_used: np.ndarray, routing: np.ndarray) -> float:
-    """recall@k, over every layer, of the experts ``routing`` ((L, k)) used by the token that
-    followed an estimate, against the k experts of each layer the estimate gave the highest
-    chance of use (``p_used``, (L * E,))."""
+def next_token_recall_per_layer(p_used: np.ndarray, routing: np.ndarray) -> np.ndarray:
+    """recall@k per layer of the experts ``routing`` ((L, k)) used by the token that followed
+    an estimate, against the k experts of each layer the estimate gave the highest chance of
+    use (``p_used``, (L * E,))."""
     L, k = routing.shape
     top = np.argsort(-p_used.reshape(L, -1), axis=1)[:, :k]
-    return float(recall_at(top, routing).mean())
+    return recall_at(top, routing)
+
+
+def next_token_recall(p_used: np.ndarray, routing: np.ndarray) -> float:
+    """The same, over every layer."""
+    return float(next_token_recall_per_layer(p_used, routing).mean())
 
 
 class Learner:

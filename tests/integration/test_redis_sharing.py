@@ -8,7 +8,6 @@ installs it)."""
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -34,6 +33,7 @@ from common.cluster import (
     write_predictor_checkpoint,
 )
 from common.config import load_config
+from flashmoe.cluster_bench import RedisServer
 from flashmoe.learning import Learning
 
 REDIS_SERVER = shutil.which("redis-server")
@@ -44,47 +44,11 @@ L, E, K = 3, 8, 2
 FINGERPRINT = model_fingerprint({"test": "three layers of eight experts"})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A ``redis-server`` child on one port, without persistence; ``stop``/``start`` keep
-    the port (a restarted Redis, empty)."""
-
-    def __init__(self, *args: str) -> None:
-        self.port, self.args, self.proc = free_port(), args, None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind",
-                                      "127.0.0.1", "--save", "", "--appendonly", "no",
-                                      *self.args], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def client(self, password: str | None = None) -> redis.Redis:
-        return redis.Redis.from_url(self.url, password=password)
-
-
 @pytest.fixture
 def server():
     srv = RedisServer().start()
     yield srv
-    srv.stop()
+    srv.stop(kill=True)
 
 
 def cluster_config(url: str, device: str, *overrides: str):
@@ -195,7 +159,7 @@ def test_redis_killed_mid_run_goes_alone_keeps_going_and_reconnects(server):
     agent = ClusterAgent(link, lambda: values_of(a, "a"), "test").start()
     try:
         wait_until(lambda: link.status()["n_published"] >= 2, what="publishes")
-        server.stop()
+        server.stop(kill=True)
         wait_until(lambda: link.status()["state"] == "alone", what="the alone state")
         status = link.status()
         assert "unreachable" in status["reason"] and status["last_ok"] is not None
@@ -230,7 +194,7 @@ def test_a_slow_redis_is_a_timeout_then_recovered():
         wait_until(link.ready, what="the back-off")
         assert link.publish(values_of(a, "a")) and link.status()["state"] == "connected"
     finally:
-        srv.stop()
+        srv.stop(kill=True)
 
 
 def test_auth_right_password_works_and_a_wrong_one_is_a_clear_error(tmp_path):
@@ -250,7 +214,7 @@ def test_auth_right_password_works_and_a_wrong_one_is_a_clear_error(tmp_path):
         assert missing.status()["state"] == "error" and \
             "authentication refused" in missing.status()["reason"]
     finally:
-        srv.stop()
+        srv.stop(kill=True)
 
 
 def test_tls_settings_reach_the_connection(tmp_path):
@@ -268,7 +232,7 @@ def test_tls_settings_reach_the_connection(tmp_path):
         assert pool.connection_kwargs["ssl_ca_certs"] == str(ca)
         assert link.peer_devices() is None and link.status()["state"] == "alone"
     finally:
-        srv.stop()
+        srv.stop(kill=True)
 
 
 # --- live: `flashmoe run --redis` --------------------------------------------------------------
@@ -312,7 +276,7 @@ def test_flashmoe_run_shares_keeps_serving_without_redis_and_a_peer_warm_starts(
         client = server.client()
         wait_until(lambda: all(client.exists(key(fingerprint, "a", w)) for w in PARTS),
                    timeout_s=60, what="device a's keys")
-        server.stop()
+        server.stop(kill=True)
         mark = len(out.lines)
         out.wait_for(r"cluster alone .*unreachable", after=mark, timeout_s=30)
         before = out.tokens()

@@ -98,12 +98,14 @@ class ScoredPolicy(EvictionPolicy):
     def refresh(self) -> None:
         """A new token began: update ``self.S`` (the policy's estimate)."""
 
+    def _select(self, visited: np.ndarray) -> np.ndarray:
+        """Each key's S variant, given which keys' layers were visited in this token."""
+        S = self.S
+        return np.where(visited, np.where(self.used_token == self.token, S[2], S[1]), S[0])
+
     def _update_estimate(self) -> None:
         """Re-select every key's variant (after ``S`` changed outside ``refresh``)."""
-        S = self.S
-        visited = np.arange(len(self._est)) < self._visited_end
-        used = self.used_token == self.token
-        self._est[:] = np.where(visited, np.where(used, S[2], S[1]), S[0])
+        self._est[:] = self._select(np.arange(len(self._est)) < self._visited_end)
 
     # --- the policy protocol ------------------------------------------------------------------
 
@@ -137,10 +139,7 @@ class ScoredPolicy(EvictionPolicy):
 
     def scores(self) -> np.ndarray:
         """Every key's eviction score right now (larger = evicted sooner)."""
-        S = self.S
-        used = self.used_token == self.token
-        estimate = np.where(self._visited[self.layer], np.where(used, S[2], S[1]), S[0])
-        return self._d[self.layer] + estimate
+        return self._d[self.layer] + self._select(self._visited[self.layer])
 
     def _candidates(self) -> np.ndarray:
         """Residents that may be evicted: not an expert of the request being served."""
