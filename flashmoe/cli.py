@@ -474,7 +474,8 @@ def cmd_e2e_bench(args) -> int:
             run_warmup(load_trace("gptoss20b:train", Path(args.traces_dir)),
                        load_config(env={}), warmup)
     report = e2e_bench.e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds,
-                                 args.modes, warmup, trace=args.trace, shape=args.shape)
+                                 args.modes, warmup, trace=args.trace, shape=args.shape,
+                                 settings=args.set)
     print(e2e_bench.format_table(report))
     _save(args, report, e2e_bench.plot)
     return 0
@@ -833,6 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a config override for the flashmoe mode (repeatable)")
     p.set_defaults(func=cmd_e2e_bench)
 
     p = sub.add_parser("cluster-bench", help="hit rate of a device's first tokens after a warm "

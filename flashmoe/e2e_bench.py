@@ -185,11 +185,12 @@ def _worker_timings(path: Path) -> list[float]:
 
 
 def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capacity: int,
-               workdir: Path, budget: float) -> Run:
-    """flashmoe or lru: the cache manager (+ the learning path for flashmoe) and the worker."""
+               workdir: Path, budget: float, settings: tuple[str, ...] = ()) -> Run:
+    """flashmoe or lru: the cache manager (+ the learning path for flashmoe) and the worker.
+    ``settings``: further config overrides of the flashmoe mode (``--set``)."""
     overrides = [f"store.path={store}", f"cache.capacity_experts={capacity}"]
     if mode == "flashmoe":
-        overrides += ["cache.policy=flashmoe", "prefetch.inline=true"]
+        overrides += ["cache.policy=flashmoe", "prefetch.inline=true", *settings]
     else:
         overrides += ["cache.policy=lru", "prefetch.inline=false"]
     from common.config import load_config
@@ -229,8 +230,9 @@ def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capa
         run.wall_s = wall
         run.bytes_read = stats["n_byte_read"]
         run.stall_free_rate = round(stats["n_hit"] / max(stats["n_hit"] + stats["n_miss"], 1), 4)
-        run.extra = {k: stats[k] for k in ("n_hit", "n_miss", "n_hit_loading", "prefetch_issued",
-                                          "prefetch_used", "prefetch_wasted", "engine")}
+        run.extra = {k: stats.get(k) for k in ("n_hit", "n_miss", "n_hit_loading",
+                                               "prefetch_issued", "prefetch_learned",
+                                               "prefetch_used", "prefetch_wasted", "engine")}
         return run
     finally:
         launcher.stop_all()
@@ -304,7 +306,7 @@ def summarize(runs: list[Run], tokens: int) -> dict:
 
 def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, rounds: int,
               modes: list[str], warmup: str, trace: str = "gptoss20b:eval", seed: int = 0,
-              shape: str = "gpt-oss-20b", say=print) -> dict:
+              shape: str = "gpt-oss-20b", settings: tuple[str, ...] = (), say=print) -> dict:
     from flashmoe.synth_store import synth_store
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -339,7 +341,7 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
                 drop_page_cache()
                 if mode in ("flashmoe", "lru"):
                     run = run_system(mode, str(store.path), warmup, trace, tokens, capacity,
-                                     workdir, budget)
+                                     workdir, budget, tuple(settings))
                 else:
                     run = run_flat(mode, flat, str(store.path), trace, tokens, budget_bytes,
                                    workdir, budget)
@@ -350,7 +352,8 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
     results = [summarize(runs[key], tokens) for key in runs]
     return {"shape": shape, "scale": scale, "store_bytes": experts_bytes, "experts": n_experts,
             "expert_bytes": store.manifest.max_expert_bytes, "trace": trace, "tokens": tokens,
-            "rounds": rounds, "skipped": skipped, "results": results,
+            "rounds": rounds, "settings": list(settings), "skipped": skipped,
+            "results": results,
             "wall_s": round(time.perf_counter() - started, 1)}
 
 

@@ -105,10 +105,13 @@ class LearningPath(ReplayHooks):
     predictor spent on it (measured) and the bus hops (``HOP_MS``); the predictor publishes a
     new estimate when at least ``publish_interval_ms`` passed since its last one, and the
     cache manager uses the latest. ``stale_tokens`` hands out the estimate made that many
-    tokens earlier (the prediction-age study)."""
+    tokens earlier (the prediction-age study). With ``prefetcher`` (the inline one) and
+    ``learned`` (the look-ahead prefetch's count and margin) it hints after each request as
+    the cache manager does."""
 
     def __init__(self, trace: Trace, learning: Learning | None, publish_interval_ms: float,
-                 stale_tokens: int = 0, prefetcher=None) -> None:
+                 stale_tokens: int = 0, prefetcher=None,
+                 learned: tuple[int, float] | None = None) -> None:
         self.trace, self.learning = trace, learning
         self.stream = TokenStream.of(trace)
         self.interval = publish_interval_ms
@@ -117,6 +120,7 @@ class LearningPath(ReplayHooks):
         self.next_publish = 0.0
         self.published = 0
         self.prefetcher = prefetcher
+        self.learned = learned  # the look-ahead prefetch's (count, margin in tokens), or None: off
 
     def start(self, core: CacheManagerCore) -> None:
         self.made.clear()
@@ -143,6 +147,8 @@ class LearningPath(ReplayHooks):
         if self.prefetcher is not None:
             self.prefetcher.after_request(core, SIM_WORKER, layer, experts,
                                           self.stream.input_token[token])
+        if self.learned is not None:
+            core.learned_hints(*self.learned)
 
     def after_token(self, token: int, now_ms: float) -> None:
         if self.learning is None:

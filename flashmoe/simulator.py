@@ -273,7 +273,7 @@ def _core_job(policy: str, capacity: int) -> dict:
            "n_hit_loading": stats["n_hit_loading"]}
     if prefetch:
         out.update({k: stats[k] for k in ("prefetch_issued", "prefetch_used", "prefetch_wasted",
-                                          "prefetch_bytes")})
+                                          "prefetch_bytes", "prefetch_learned")})
     if learning is not None:
         out["cpu_ms_per_token"] = round(learning.cpu_ms_per_token(), 3)
         out["cpu_ms_by_stage"] = {k: round(1e3 * v / max(learning.tokens, 1), 3)
@@ -292,7 +292,7 @@ def _hooks_for(policy: str, trace: Trace, config, options: dict):
     ``--prefetch``), or (None, None)."""
     from flashmoe.learning import Learning, LearningPath
     from services.cache_manager.policies import POLICIES
-    from services.cache_manager.prefetcher import NextLayerPrefetcher
+    from services.cache_manager.prefetcher import NextLayerPrefetcher, PrefetcherParams
 
     learning = None
     if getattr(POLICIES[policy], "accepts_estimates", False):
@@ -301,11 +301,14 @@ def _hooks_for(policy: str, trace: Trace, config, options: dict):
             learning.load(options["warmup"])
     prefetcher = None
     if options.get("prefetch") and not needs_future(policy):
-        prefetcher = NextLayerPrefetcher(trace.num_layers, trace.num_experts, trace.top_k)
+        prefetcher = NextLayerPrefetcher(trace.num_layers, trace.num_experts, trace.top_k,
+                                         PrefetcherParams(threshold=config.prefetch.threshold))
     if learning is None and prefetcher is None:
         return None, None
+    learned = (config.prefetch.learned, config.prefetch.learned_margin) \
+        if options.get("prefetch") and learning is not None else None
     return LearningPath(trace, learning, config.predictor.publish_interval_ms,
-                        options.get("stale_tokens", 0), prefetcher), learning
+                        options.get("stale_tokens", 0), prefetcher, learned), learning
 
 
 def capacity_for(fraction: float, trace: Trace, scope: str) -> int:

@@ -37,7 +37,7 @@ Worker = Hashable  # a worker's identity (the ROUTER identity bytes in the live 
 
 STATS_KEYS = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_load_failed",
               "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_failed",
-              "prefetch_dropped",
+              "prefetch_dropped", "prefetch_learned",
               "prefetch_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
               "n_byte_loaded")
 
@@ -324,6 +324,23 @@ class CacheManagerCore:
             pending.popitem(last=False)
             self.stats["prefetch_dropped"] += 1
 
+    def learned_hints(self, count: int, margin: float) -> int:
+        """FlashMoE's look-ahead prefetch: while no demand load is in flight (the disk would
+        idle), hint up to ``count`` experts the policy's estimate wants sooner than the
+        residents they would evict (``FlashMoEPolicy.wanted``). Returns the number hinted."""
+        if count <= 0 or len(self.loading) > self.prefetch_inflight or self.pending_hints:
+            return 0
+        hinted = 0
+        for policy in self.policies.values():
+            wanted = getattr(policy, "wanted", None)
+            if wanted is None:
+                return 0
+            for layer, expert in wanted(count - hinted, margin):
+                self.hint(layer, [expert])
+                hinted += 1
+        self.stats["prefetch_learned"] += hinted
+        return hinted
+
     def issue_prefetches(self, max_loads: int) -> list[Load]:
         """Start loads for pending hints, oldest first: at most ``max_loads`` (the free IO
         queue depth, in experts) and within the prefetch budget (loads in flight). A hint
@@ -343,7 +360,7 @@ class CacheManagerCore:
             if slot is None:
                 break
             del pending[key]
-            policy.on_insert(key)
+            policy.on_prefetch(key)
             load = self._start_load(key, slot, prefetch=True)
             self.stats["n_load"] += 1
             self.prefetch_inflight += 1

@@ -235,7 +235,7 @@ class CacheManager:
                         if self.reads:
                             self.reap()
                             self.engine.check_timeout(read_timeout_s)
-                            self.issue_prefetches()  # reads completed: depth may be free
+                            self.prefetch_ahead()  # reads completed: depth may be free
                         if events and verifier_fd in events:
                             for load, error in self.verifier.results():
                                 self.verified(load, error)
@@ -492,11 +492,19 @@ class CacheManager:
             if position is not None:
                 self.prefetcher.after_request(self.core, identity, position,
                                               msg.experts, msg.token, self.moe_layers)
-                self.issue_prefetches()
+        self.prefetch_ahead()
 
     def handle_prefetch(self, identity: bytes, msg: PrefetchHint) -> None:
         self.counters["n_prefetch_hint"] += 1
         self.core.hint(msg.layer, msg.experts)
+        self.issue_prefetches()
+
+    def prefetch_ahead(self) -> None:
+        """The learned look-ahead prefetch (while the disk has no demand read), then every
+        pending hint that the budget and the free queue depth allow."""
+        cfg = self.config.prefetch
+        if cfg.learned and cfg.budget and not self.core.pending_hints:
+            self.core.learned_hints(cfg.learned, cfg.learned_margin)
         self.issue_prefetches()
 
     def issue_prefetches(self) -> None:
@@ -513,8 +521,8 @@ class CacheManager:
     def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:
         """Live changes (control thread, under self.lock): the policy and its parameters
         (e.g. the FlashMoE policy's hybrid share), the capacity within the arena, the
-        prefetch window, the inline prefetcher and its threshold; predictor.max_age_ms is
-        read from self.config at each use."""
+        prefetch window, the inline prefetcher and its threshold; predictor.max_age_ms and
+        the look-ahead prefetch's settings are read from self.config at each use."""
         applied, refused = [], {}
         for key, value in changes.items():
             if key == "cache.policy":
@@ -558,7 +566,8 @@ class CacheManager:
                     continue
                 if not check:
                     self.prefetcher = self._make_prefetcher(value)
-            elif key != "predictor.max_age_ms":
+            elif key not in ("predictor.max_age_ms", "prefetch.learned",
+                             "prefetch.learned_margin"):
                 continue
             applied.append(key)
         return applied, refused

@@ -134,10 +134,46 @@ def test_the_kept_variant_per_key_is_the_one_scores_selects(name):
         _, loads, _ = core.acquire(W, layer, experts, release_layers=[(layer - 1) % L])
         for load in loads:
             core.finish_load(load.key, ok=True)
-        if step % 3 == 0:  # a prefetch of a later layer: used before its layer is visited
+        if step % 3 == 0:  # a prefetch of a later layer: resident, not used
             core.hint((layer + 1) % L, rng.choice(E, size=1).tolist())
             for load in core.issue_prefetches(1):
                 core.finish_load(load.key, ok=True)
-            early += len(policy._early)
+                assert policy.used_token[policy._index(load.key)] != policy.token
+        if step % 5 == 0 and layer + 1 < L:  # another worker, ahead: used before its layer
+            ahead = [k for k in core.slot_of if k[0] == layer + 1]
+            if ahead:
+                policy.on_hit(ahead[0])
+                early += len(policy._early)
         assert np.allclose(policy.scores() - policy._d[policy.layer], policy._est)
     assert early > 0
+
+
+def test_look_ahead_prefetch_takes_what_the_estimate_needs_sooner_than_its_victim():
+    """FlashMoE's look-ahead prefetch hints a non-resident expert only when the estimate
+    expects it sooner (by the margin) than the best victim, only while no demand load is in
+    flight, and never without a usable estimate."""
+    core = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe", prefetch_budget=2)
+    policy = core.policies[None]
+    run_tokens(core, [[[0, 1], [0], [0]]])  # full: (0,0) (0,1) (1,0) (2,0)
+    assert core.learned_hints(1, 0.0) == 0  # no estimate yet: LRU fallback, no look-ahead
+    S = np.full((3, L * E), 100.0)
+    S[:, 2 * E + 3] = 0.0  # (2,3): needed at once
+    policy.set_estimate(S)
+    # At layer 0 of a new token: (2,3) is 1 layer step + 0 away, every resident ~100 further.
+    _, loads, _ = core.acquire(W, 0, [0, 1], release_layers=[2])
+    assert not loads
+    assert core.learned_hints(1, margin=400.0) == 0  # not sooner by that many tokens
+    assert core.learned_hints(1, margin=3.0) == 1
+    assert list(core.pending_hints) == [(2, 3)]
+    (load,) = core.issue_prefetches(1)
+    assert load.key == (2, 3) and load.prefetch
+    # Resident (loading), and not counted as used: a wrong guess is not kept as needed.
+    assert policy.resident[2 * E + 3] and policy.used_token[2 * E + 3] != policy.token
+    core.finish_load(load.key, ok=True)
+    # A demand load in flight: the disk is busy, no look-ahead.
+    S[:, 1 * E + 2] = 0.0
+    policy.set_estimate(S)
+    _, loads, _ = core.acquire(W, 1, [3], release_layers=[0])
+    assert loads and core.learned_hints(1, 3.0) == 0
+    core.finish_load(loads[0].key, ok=True)
+    assert core.stats["prefetch_learned"] == 1

@@ -71,6 +71,11 @@ class EvictionPolicy(ABC):
     def on_insert(self, key: Key) -> None:
         """A missed key became resident (the cache made room first)."""
 
+    def on_prefetch(self, key: Key) -> None:
+        """A key loaded ahead of any request (a prefetch) became resident; by default the same
+        as a missed key's insertion."""
+        self.on_insert(key)
+
     @abstractmethod
     def victim(self, pinned: Container[Key] = NOTHING_PINNED) -> Key | None:
         """The resident key to evict next, never a pinned one; None if every key is pinned."""

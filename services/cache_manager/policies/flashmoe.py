@@ -60,6 +60,25 @@ class FlashMoEPolicy(ScoredPolicy):
         self.fallback = False
         self.estimates += 1
 
+    def wanted(self, count: int, margin: float) -> list[tuple[int, int]]:
+        """Look-ahead prefetch: up to ``count`` experts, neither resident nor loading, whose
+        score (expected next use, in layer steps from now) is lower by at least ``margin``
+        tokens than the best victim's, soonest needed first. None without a usable
+        estimate."""
+        if self.fallback or self._len < self.capacity or count <= 0:
+            return []
+        here = self._d[self.layer] + self._est
+        victims = self._candidates()
+        if not len(victims):
+            return []
+        bar = here[victims].max() - margin * self.num_layers
+        outside = np.flatnonzero(~self.resident & (here < bar))
+        if not len(outside):
+            return []
+        best = outside[np.argsort(here[outside], kind="stable")[:count]]
+        E = self.num_experts
+        return [(int(i) // E, int(i) % E) for i in best]
+
     def _rank(self, count: int) -> list[int]:
         if self.fallback:
             idx = self._candidates()

@@ -133,6 +133,15 @@ class ScoredPolicy(EvictionPolicy):
         self._len += 1
         self._touch(i)
 
+    def on_prefetch(self, key: Key) -> None:
+        """Resident, but not used: its estimate stays that of an expert this token has not
+        used (a wrong guess is not kept as if it had been needed)."""
+        i = self._index(key)
+        self.resident[i] = True
+        self._len += 1
+        self.clock += 1.0
+        self.last_use[i] = self.clock
+
     def on_evict(self, key: Key) -> None:
         self.resident[self._index(key)] = False
         self._len -= 1
