@@ -152,7 +152,7 @@ def acquire_bench(store_path: str, iterations: int = 20000, top_k: int | None = 
     # The demand path alone: no inline prefetcher working between the requests.
     proc = start_cache_manager(store_path, endpoint,
                                [f"io.engine={engine}", f"cache.capacity_experts={capacity}",
-                                "prefetch.inline=false"])
+                                "prefetch.inline=false", "prefetch.learned=0"])
     ctx = mp.get_context("spawn")
     go, stop, counts = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
     streamer = ctx.Process(target=_miss_streamer, args=(endpoint, groups, go, stop, counts),

@@ -98,7 +98,7 @@ def wait_for(endpoint, condition, timeout_s=60.0, what=""):
 def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
     capacity = 96
     launcher, events = start_trio(setup, tmp_path, f"cache.capacity_experts={capacity}",
-                                  "prefetch.inline=false")
+                                  "prefetch.inline=false", "prefetch.learned=0")
     try:
         live = run_worker(launcher, setup, events)
         trace = setup["trace"]
@@ -126,6 +126,22 @@ def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
     assert live["n_hit"] + live["n_miss"] == accesses
     assert abs(live_rate - sim_rate) <= 0.005, (live_rate, sim_rate, live["predictions"],
                                                 hooks.published)
+
+
+def test_the_look_ahead_prefetch_loads_what_the_estimate_needs_while_the_disk_idles(
+        setup, tmp_path):
+    """With live estimates, FlashMoE's look-ahead prefetch (the inline one off) loads experts
+    between the worker's requests, and the worker uses some of them."""
+    launcher, events = start_trio(setup, tmp_path, "cache.capacity_experts=96",
+                                  "prefetch.inline=false", "prefetch.learned=2")
+    try:
+        live = run_worker(launcher, setup, events, tokens=80)
+    finally:
+        launcher.stop_all()
+    trace = setup["trace"]
+    assert live["n_hit"] + live["n_miss"] == 80 * trace.num_layers * trace.top_k
+    assert live["prefetch_learned"] > 0 and live["prefetch_issued"] > 0
+    assert live["prefetch_used"] > 0
 
 
 def test_a_killed_predictor_means_lru_then_a_resumed_predictor(setup, tmp_path):

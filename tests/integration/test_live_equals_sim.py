@@ -31,7 +31,8 @@ def gptoss_tiny_store(tmp_path_factory):
 def test_live_hits_and_misses_equal_the_simulator(policy, capacity, gptoss_tiny_store,
                                                   start_manager, tmp_path):
     manager = start_manager(gptoss_tiny_store, f"cache.policy={policy}",
-                            f"cache.capacity_experts={capacity}", "prefetch.inline=false")
+                            f"cache.capacity_experts={capacity}", "prefetch.inline=false",
+                            "prefetch.learned=0")
     out = tmp_path / "live.json"
     subprocess.run(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
                                "gptoss20b:eval", "--tokens", str(TOKENS), "--json", str(out)),
