@@ -7,7 +7,8 @@ last layer has run; the estimate for token t + 1 it yields is published on the p
 cadence (every ``publish_interval_ms`` of simulated time, the newest one), so the cache
 manager only ever uses estimates made from the past, and ``stale_tokens`` delays them further
 (the prediction-age study). The CPU time of extraction, inference and training is measured
-per token.
+per token, as the calling thread's CPU time (``time.thread_time``: the learning path runs on
+one thread, and in the live processes the bus's own threads are not learning work).
 
 A warm-up checkpoint is a folder: ``extractor.safetensors`` + ``extractor.json`` (the
 extractor's tables and PCA) and ``predictor.safetensors`` + ``predictor.json``.
@@ -54,13 +55,13 @@ class Learning:
 
     def on_token(self, stream: TokenStream, trace: Trace, t: int) -> np.ndarray | None:
         """Token t ran: returns the estimate S for token t + 1 (None at a sequence's end)."""
-        started = time.process_time()
+        started = time.thread_time()
         experts = trace.experts[t]
         probs = trace.probs[t] if trace.probs is not None else None
         out = self.extractor.on_event(int(stream.sequence[t]), int(stream.position[t]),
                                       stream.input_token[t], stream.next_token[t], experts,
                                       probs)
-        middle = time.process_time()
+        middle = time.thread_time()
         self.cpu_s["extract"] += middle - started
         L, E = experts.shape[0], self.learner.E
         if self._pending:
@@ -72,7 +73,7 @@ class Learning:
             X, z = out
             # As on the wire (FeatureBatch): per-expert features in float16.
             S = self.learner.predict(X.astype(np.float16).astype(np.float32), z)
-        self.cpu_s["predict"] += time.process_time() - middle
+        self.cpu_s["predict"] += time.thread_time() - middle
         self.tokens += 1
         return S
 

@@ -181,6 +181,10 @@ class Progress:
                 "learner_cpu_ms_per_token": round(
                     sum(v for k, v in predictor.items() if k.startswith("cpu_ms_"))
                     + extractor.get("cpu_ms_per_event", 0.0), 3),
+                "learner_cpu_ms_by_stage": {
+                    "extract": extractor.get("cpu_ms_per_event", 0.0),
+                    **{k[len("cpu_ms_"):]: v for k, v in predictor.items()
+                       if k.startswith("cpu_ms_")}},
                 "predictor_drifts": predictor.get("drifts"),
                 "variance_kept": extractor.get("variance_kept"),
                 **({"cluster": {"feature_extractor": summary_of_stats(extractor),

@@ -101,10 +101,10 @@ class FeatureExtractorService(Service):
         if len(event.experts) != self.layers:
             self.counters["rejected_shape"] += 1
             return
-        started = time.process_time()
+        started = time.thread_time()
         out = self.core.on_event(event.sequence, event.position, event.input_token,
                                  event.next_token, event.experts, event.probs)
-        self.cpu_s += time.process_time() - started
+        self.cpu_s += time.thread_time() - started
         if out is None:
             return
         X, z = out
