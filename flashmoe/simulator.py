@@ -398,8 +398,9 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
             if "prefetch_issued" in m:
                 # resident when requested, prefetches that landed in time included
                 row["stall_free_rate"] = row["hit_rate"]
-                row.update({k: m[k] for k in ("prefetch_issued", "prefetch_used",
-                                              "prefetch_wasted", "prefetch_bytes")})
+                row.update({k: m[k] for k in ("prefetch_issued", "prefetch_learned",
+                                              "prefetch_used", "prefetch_wasted",
+                                              "prefetch_bytes")})
             for key in ("cpu_ms_per_token", "cpu_ms_by_stage", "drifts", "variance_kept",
                         "estimates"):
                 if key in m:

@@ -83,3 +83,22 @@ def test_bench_report_keys_gap_and_device_model():
         assert by[("belady", cap)]["ms_per_token"] <= by[("lru", cap)]["ms_per_token"]
     compute = DEVICES["orin-980pro"].compute_ms_per_layer(MODEL_SHAPES["olmoe-1b-7b"])
     assert all(r["ms_per_token"] >= 3 * compute for r in rows)
+
+
+def test_bench_with_prefetch_reports_stall_free_rate_and_prefetch_counts():
+    """``--prefetch``: the inline prefetcher for every policy but Belady, FlashMoE's
+    look-ahead besides; rows gain the stall-free rate and the prefetch counts."""
+    trace = tiny_trace()
+    report = run_bench(trace, "global", [0.5], ["lru", "nextuse", "belady", "flashmoe"],
+                       DEVICES["orin-980pro"], MODEL_SHAPES["olmoe-1b-7b"], jobs=1,
+                       progress=False, prefetch=True)
+    by = {r["policy"]: r for r in report["results"]}
+    bytes_per_expert = MODEL_SHAPES["olmoe-1b-7b"].expert_bytes
+    for name in ("lru", "nextuse", "flashmoe"):
+        row = by[name]
+        assert row["stall_free_rate"] == row["hit_rate"]
+        assert row["prefetch_used"] + row["prefetch_wasted"] <= row["prefetch_issued"]
+        assert row["prefetch_bytes"] == row["prefetch_issued"] * bytes_per_expert
+        assert row["prefetch_learned"] >= 0
+    assert by["lru"]["prefetch_learned"] == by["nextuse"]["prefetch_learned"] == 0
+    assert "prefetch_issued" not in by["belady"] or by["belady"]["prefetch_issued"] == 0
