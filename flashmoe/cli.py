@@ -31,7 +31,6 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    "--fields` for AUTH and TLS)")
 
 
-
 def _save(args, doc: dict, plot=None) -> None:
     """A report's --json (and, given its plot function, --plot) files, each announced."""
     if args.json:
@@ -40,6 +39,7 @@ def _save(args, doc: dict, plot=None) -> None:
     if plot is not None and args.plot:
         plot(doc, args.plot)
         print(f"wrote {args.plot}")
+
 
 def _overrides(args) -> list[str]:
     """``--set`` items, after the ones the shorthand flags make."""

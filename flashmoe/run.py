@@ -137,6 +137,12 @@ def wait_panel_url(runtime: Path, timeout_s: float = PANEL_ANNOUNCE_S) -> str | 
     return None
 
 
+def learner_cpu_by_stage(extractor: dict, predictor: dict) -> dict[str, float]:
+    """The learner's CPU ms a token by stage, from the extractor's and predictor's stats."""
+    return {"extract": extractor.get("cpu_ms_per_event", 0.0),
+            **{k[len("cpu_ms_"):]: v for k, v in predictor.items() if k.startswith("cpu_ms_")}}
+
+
 @dataclasses.dataclass
 class Progress:
     """Figures from the services' control sockets, as differences over time."""
@@ -156,16 +162,17 @@ class Progress:
         self.last, self.last_t = current, now
         delta = {k: current[k] - previous[k] for k in current}
         accesses = delta["hit"] + delta["miss"]
-        learner = sum(v for k, v in predictor.items() if k.startswith("cpu_ms_")) + \
-            extractor.get("cpu_ms_per_event", 0.0)
         return {"tokens": current["acquire"] / self.layers,
                 "tokens_per_s": delta["acquire"] / self.layers / dt,
                 "hit_rate": delta["hit"] / accesses if accesses else float("nan"),
                 "ssd_mb_per_s": delta["bytes"] / dt / 1e6,
-                "learner_cpu_ms_per_token": learner, "estimate": cache.get("estimate", "?")}
+                "learner_cpu_ms_per_token": sum(learner_cpu_by_stage(extractor,
+                                                                     predictor).values()),
+                "estimate": cache.get("estimate", "?")}
 
     def summary(self, cache: dict, extractor: dict, predictor: dict) -> dict:
         wall = time.monotonic() - self.started
+        stages = learner_cpu_by_stage(extractor, predictor)
         first = self.first or {"acquire": 0, "hit": 0, "miss": 0, "bytes": 0}
         tokens = (cache["n_acquire"] - first["acquire"]) / self.layers
         hits, misses = cache["n_hit"], cache["n_miss"]
@@ -178,13 +185,8 @@ class Progress:
                 "prefetch_used": cache["prefetch_used"],
                 "prefetch_wasted": cache["prefetch_wasted"], "engine": cache["engine"],
                 "policy": cache["policy"],
-                "learner_cpu_ms_per_token": round(
-                    sum(v for k, v in predictor.items() if k.startswith("cpu_ms_"))
-                    + extractor.get("cpu_ms_per_event", 0.0), 3),
-                "learner_cpu_ms_by_stage": {
-                    "extract": extractor.get("cpu_ms_per_event", 0.0),
-                    **{k[len("cpu_ms_"):]: v for k, v in predictor.items()
-                       if k.startswith("cpu_ms_")}},
+                "learner_cpu_ms_per_token": round(sum(stages.values()), 3),
+                "learner_cpu_ms_by_stage": stages,
                 "predictor_drifts": predictor.get("drifts"),
                 "variance_kept": extractor.get("variance_kept"),
                 **({"cluster": {"feature_extractor": summary_of_stats(extractor),

@@ -327,17 +327,19 @@ class CacheManagerCore:
     def learned_hints(self, count: int, margin: float) -> int:
         """FlashMoE's look-ahead prefetch: while no demand load is in flight (the disk would
         idle), hint up to ``count`` experts the policy's estimate wants sooner than the
-        residents they would evict (``FlashMoEPolicy.wanted``). Returns the number hinted."""
-        if count <= 0 or len(self.loading) > self.prefetch_inflight or self.pending_hints:
+        residents they would evict (``FlashMoEPolicy.wanted``). Nothing without a prefetch
+        budget, while hints are pending, or in layer scope (a layer's own policy sees only
+        its layer's requests, not where the token is now). Returns the number hinted."""
+        if count <= 0 or not self.prefetch_budget or self.pending_hints \
+                or len(self.loading) > self.prefetch_inflight or self.scope != "global":
+            return 0
+        wanted = getattr(self.policies[None], "wanted", None)
+        if wanted is None:
             return 0
         hinted = 0
-        for policy in self.policies.values():
-            wanted = getattr(policy, "wanted", None)
-            if wanted is None:
-                return 0
-            for layer, expert in wanted(count - hinted, margin):
-                self.hint(layer, [expert])
-                hinted += 1
+        for layer, expert in wanted(count, margin):
+            self.hint(layer, [expert])
+            hinted += 1
         self.stats["prefetch_learned"] += hinted
         return hinted
 

@@ -503,8 +503,7 @@ class CacheManager:
         """The learned look-ahead prefetch (while the disk has no demand read), then every
         pending hint that the budget and the free queue depth allow."""
         cfg = self.config.prefetch
-        if cfg.learned and cfg.budget and not self.core.pending_hints:
-            self.core.learned_hints(cfg.learned, cfg.learned_margin)
+        self.core.learned_hints(cfg.learned, cfg.learned_margin)
         self.issue_prefetches()
 
     def issue_prefetches(self) -> None:

@@ -177,3 +177,16 @@ def test_look_ahead_prefetch_takes_what_the_estimate_needs_sooner_than_its_victi
     assert loads and core.learned_hints(1, 3.0) == 0
     core.finish_load(loads[0].key, ok=True)
     assert core.stats["prefetch_learned"] == 1
+
+
+def test_look_ahead_prefetch_stays_off_in_layer_scope():
+    """A layer's own policy sees only that layer's requests, not where the token is now: the
+    look-ahead (which ranks by layer steps from now) runs in global scope only."""
+    core = CacheManagerCore(KNOWN, n_slots=6, policy="flashmoe", scope="layer",
+                            prefetch_budget=4)
+    run_tokens(core, [[[0, 1], [0, 1], [0, 1]]])  # two slots a layer, all full
+    S = np.full((3, L * E), 100.0)
+    S[:, 2 * E + 3] = 0.0  # (2,3): needed at once
+    core.set_estimate(S)
+    core.acquire(W, 0, [0, 1], release_layers=[2])
+    assert core.learned_hints(3, margin=3.0) == 0 and not core.pending_hints
