@@ -34,6 +34,8 @@ VARIANTS: dict[str, tuple[dict, str]] = {
     "window-16": ({"predictor": {"window_tokens": 16}}, "a 16-token training window"),
     "window-64": ({"predictor": {"window_tokens": 64}}, "a 64-token training window"),
     "window-128": ({"predictor": {"window_tokens": 128}}, "a 128-token training window"),
+    "train-every-64": ({"predictor": {"train_every_tokens": 64}},
+                       "a training step every 64 tokens instead of 32 (half the training CPU)"),
 }
 
 

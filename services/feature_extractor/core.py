@@ -196,12 +196,13 @@ class FeatureExtractor:
                 self.nx4_n[before] += 0.25
         self.rows_history = (self.rows_history + [row])[-4:]
         if self.prev_experts is not None and self.position > 0:
+            # A layer's top-k experts are distinct, so no (layer, src, dst) pair repeats and
+            # a plain indexed += counts each once (np.add.at is several times slower).
             layer = np.repeat(self._layer_index, K * K)
             src = np.repeat(self.prev_experts, K, axis=1).reshape(-1)
             dst = np.tile(experts, (1, K)).reshape(-1)
-            np.add.at(self.tr_c, (layer, src, dst), 1.0)
-            np.add.at(self.tr_n, (np.repeat(self._layer_index, K),
-                                  self.prev_experts.reshape(-1)), 1.0)
+            self.tr_c[layer, src, dst] += 1.0
+            self.tr_n[np.repeat(self._layer_index, K), self.prev_experts.reshape(-1)] += 1.0
         self.prev_experts = experts
         self.t += 1
 
@@ -239,7 +240,8 @@ class OnlinePCA:
         a = 1.0 / self.weight
         self.mean = (1 - a) * self.mean + a * vectors.mean(0)
         centred = vectors - self.mean
-        self.cov = (1 - a) * self.cov + a * (centred.T @ centred) / len(vectors)
+        self.cov *= 1 - a
+        self.cov += (a / len(vectors)) * (centred.T @ centred)
         self.n += 1
         if self.k and (self.n == 50 or self.n % self.every == 0):
             self.refit()

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from .model import Net, bucket_of, estimates
+from .model import Net, bucket_nll, bucket_of, estimates
 
 CENSORED = 10 ** 9
 
@@ -179,10 +179,13 @@ class Learner:
         started = time.thread_time()
         i = self.t % self.W
         self.zbuf[i], self.xbuf[i], self.states[i] = z, x, self.state
-        logits, self.state = self.infer_net(torch.from_numpy(z)[None],
-                                            torch.from_numpy(np.ascontiguousarray(x))[None],
-                                            self.state)
-        lg = logits[0].numpy()  # (HEADS, BUCKETS, N)
+        zt, xt = torch.from_numpy(z), torch.from_numpy(np.ascontiguousarray(x))
+        if self.infer_net is self.net:
+            logits, self.state = self.net.step(zt, xt, self.state)
+        else:  # the INT8 copy: its quantized LSTM runs as a module
+            logits, self.state = self.infer_net(zt[None], xt[None], self.state)
+            logits = logits[0]
+        lg = logits.numpy()  # (HEADS, BUCKETS, N)
         P = np.exp(lg - lg.max(1, keepdims=True))
         P /= P.sum(1, keepdims=True)
         self.last_p_used = P[0, 0]
@@ -222,13 +225,8 @@ class Learner:
         z = torch.from_numpy(self.zbuf[idx])
         x = torch.from_numpy(self.xbuf[idx])
         logits, _ = self.net(z, x, self.states[idx[0]])
-        p = torch.softmax(logits, 2)  # (n, HEADS, BUCKETS, N)
-        survival = p.flip(2).cumsum(2).flip(2)  # P(bucket >= b)
-        bucket = torch.from_numpy(np.stack([bucket_a, bucket_b], 1))[:, :, None]
-        censored = torch.from_numpy(np.stack([cens_a, cens_b], 1))
-        likelihood = torch.where(censored, survival.gather(2, bucket)[:, :, 0],
-                                 p.gather(2, bucket)[:, :, 0])
-        nll = -torch.log(likelihood + 1e-9)  # (n, HEADS, N)
+        nll = bucket_nll(logits, torch.from_numpy(np.stack([bucket_a, bucket_b], 1)),
+                         torch.from_numpy(np.stack([cens_a, cens_b], 1)))  # (n, HEADS, N)
         wb = torch.from_numpy(weight_b).float()
         loss = nll[:, 0].mean() + (nll[:, 1] * wb).sum() / wb.sum().clamp(min=1) \
             * self.params.weight_b

@@ -35,6 +35,18 @@ def bucket_of(distance: np.ndarray) -> np.ndarray:
     return np.searchsorted(EDGES, distance, side="left").astype(np.int64)
 
 
+def bucket_nll(logits: torch.Tensor, bucket: torch.Tensor, censored: torch.Tensor
+               ) -> torch.Tensor:
+    """-log P(label) from logits (..., BUCKETS, N) and labels (..., N): P(the bucket), or
+    P(bucket >= it) where censored (the next use lies beyond the window). One masked sum over
+    the buckets (a third cheaper than gathers from a reversed cumulative sum)."""
+    p = torch.softmax(logits, -2)
+    b = torch.arange(p.shape[-2])[:, None]
+    mask = torch.where(censored[..., None, :], b >= bucket[..., None, :],
+                       b == bucket[..., None, :])
+    return -torch.log((p * mask).sum(-2) + 1e-9)
+
+
 def estimates(PA: np.ndarray, PB: np.ndarray, num_layers: int) -> np.ndarray:
     """(3, N) S arrays from bucket probabilities PA, PB of shape (BUCKETS, N)."""
     d0 = 1.0 / (INV @ PA)
@@ -82,3 +94,25 @@ class Net(nn.Module):
         out = out + o.view(T, L, HEADS * BUCKETS, E).transpose(1, 2).reshape(
             T, HEADS * BUCKETS, L * E)
         return out.view(T, HEADS, BUCKETS, L * E), state
+
+    def step(self, z: torch.Tensor, x: torch.Tensor, state=None):
+        """One token, for inference: z (L, dims), x (N, features) -> logits (HEADS, BUCKETS,
+        N), the new LSTM state. The same function as ``forward`` at T = 1 (to float rounding:
+        the LSTM runs as cells, the matrix products as plain ones), at half its CPU."""
+        L, E = self.L, self.E
+        out = torch.addmm(self.bias, self.skip.t(), x.t())  # (HEADS * BUCKETS, N)
+        h = z
+        if self.lstm is not None:
+            if state is None:
+                zeros = z.new_zeros(self.lstm.num_layers, L, self.lstm.hidden_size)
+                state = (zeros, zeros)
+            hs, cs = [], []
+            for k in range(self.lstm.num_layers):
+                h, c = torch.lstm_cell(h, (state[0][k], state[1][k]),
+                                       *self.lstm._flat_weights[4 * k:4 * k + 4])
+                hs.append(h)
+                cs.append(c)
+            state = (torch.stack(hs), torch.stack(cs))
+        o = torch.bmm(h[:, None, :], self.head)  # (L, 1, HEADS * BUCKETS * E)
+        out += o.view(L, HEADS * BUCKETS, E).transpose(0, 1).reshape(HEADS * BUCKETS, L * E)
+        return out.view(HEADS, BUCKETS, L * E), state
