@@ -467,12 +467,13 @@ def cmd_e2e_bench(args) -> int:
     if warmup is None and "flashmoe" in args.modes:
         from common.traces import load_trace
         from flashmoe.learning import warmup as run_warmup
+        from flashmoe.learning import warmup_fits
 
         warmup = str(workdir / "warmup")
-        if not (Path(warmup) / "predictor.json").is_file():
+        config = load_config(env={}, overrides=list(args.set))  # as the flashmoe mode runs
+        if not warmup_fits(warmup, config):
             print("[e2e] warming the learned policy up on the train split (first use only)")
-            run_warmup(load_trace("gptoss20b:train", Path(args.traces_dir)),
-                       load_config(env={}), warmup)
+            run_warmup(load_trace("gptoss20b:train", Path(args.traces_dir)), config, warmup)
     report = e2e_bench.e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds,
                                  args.modes, warmup, trace=args.trace, shape=args.shape,
                                  settings=args.set)

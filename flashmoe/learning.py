@@ -16,6 +16,7 @@ extractor's tables and PCA) and ``predictor.safetensors`` + ``predictor.json``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -161,6 +162,18 @@ class LearningPath(ReplayHooks):
             self.made.append((now_ms + cpu_ms + HOP_MS, S))
         else:
             self.made.clear()  # a sequence ended: nothing to say about a token not yet known
+
+
+def warmup_fits(folder: str | Path, config: FlashMoEConfig) -> bool:
+    """Whether ``folder`` holds a warm-up checkpoint made for this config's predictor (its
+    network and size): a first-use warm-up made under another default is made again rather
+    than rejected at load."""
+    try:
+        params = json.loads((Path(folder) / "predictor.json").read_text())["params"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return params.get("model") == config.predictor.model and \
+        params.get("hidden") == config.predictor.lstm_hidden
 
 
 WARMUP_PASSES = 2  # two online passes over the warm-up split beat one on dev

@@ -61,6 +61,7 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
             traces_dir: Path, say=print) -> tuple[str, str]:
     """The store and warm-up checkpoint to run with, made when missing."""
     from flashmoe.learning import warmup as run_warmup
+    from flashmoe.learning import warmup_fits
 
     home.mkdir(parents=True, exist_ok=True)
     if store is None:
@@ -71,7 +72,7 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
                                 config.store.parallelism, show_progress=False).path)
     if warmup is None:
         path = home / "warmup"
-        if not (path / "predictor.json").is_file():
+        if not warmup_fits(path, config):
             train = _first_tokens(load_trace("gptoss20b:train", traces_dir), WARMUP_TOKENS)
             say(f"[run] warming the learned policy up on {train.n_tokens} tokens of the train "
                 f"split (first use only)")

@@ -73,3 +73,19 @@ def test_transition_counts_count_each_pair_of_consecutive_tokens_once():
         prev = experts
     np.testing.assert_array_equal(fx.tr_c, want)
     np.testing.assert_array_equal(fx.tr_n, want.sum(2) / K)
+
+
+def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
+    import json
+
+    from common.config import load_config
+    from flashmoe.learning import warmup_fits
+
+    lstm = load_config(env={}, overrides=["predictor.model=lstm"])
+    linear = load_config(env={}, overrides=["predictor.model=linear"])
+    assert not warmup_fits(tmp_path, lstm)  # nothing there
+    (tmp_path / "predictor.json").write_text("{not json")
+    assert not warmup_fits(tmp_path, lstm)
+    (tmp_path / "predictor.json").write_text(json.dumps({"params": {"model": "lstm",
+                                                                    "hidden": 64}}))
+    assert warmup_fits(tmp_path, lstm) and not warmup_fits(tmp_path, linear)
