@@ -23,19 +23,23 @@ from flashmoe.simulator import run_bench
 
 # name -> (config changes {section: {field: value}}, what it tests)
 VARIANTS: dict[str, tuple[dict, str]] = {
-    "default": ({}, "the defaults"),
-    "linear": ({"predictor": {"model": "linear"}}, "the linear model on the same features"),
+    "default": ({}, "the defaults (linear, no drift handling, a training step every 64 tokens)"),
+    "lstm": ({"predictor": {"model": "lstm"}}, "the 2-layer LSTM on the same features"),
+    "lstm-seed": ({"predictor": {"model": "lstm", "drift": True, "train_every_tokens": 32}},
+                  "the LSTM as first built: drift handling on, a step every 32 tokens"),
     "ewc": ({"predictor": {"ewc_strength": 1.0}}, "EWC on in normal training"),
-    "no-drift": ({"predictor": {"drift": False}}, "no drift detector / elastic update"),
+    "drift": ({"predictor": {"drift": True}}, "the drift detector and its elastic update"),
     "no-pca": ({"features": {"pca_components": 0}}, "the raw 256-dim vector, no PCA"),
-    "int8": ({"predictor": {"int8": True}}, "INT8 dynamic quantization for inference"),
+    "pca-64": ({"features": {"pca_components": 64}}, "64 principal components, not 128"),
+    "pca-96": ({"features": {"pca_components": 96}}, "96 principal components, not 128"),
+    "int8": ({"predictor": {"model": "lstm", "int8": True}},
+             "the LSTM with INT8 dynamic quantization for inference"),
     "hybrid-0.5": ({"cache": {"policy_params": {"hybrid_share": 0.5}}},
                    "the seed's hybrid: best-scored half kept, LRU for the rest"),
     "window-16": ({"predictor": {"window_tokens": 16}}, "a 16-token training window"),
     "window-64": ({"predictor": {"window_tokens": 64}}, "a 64-token training window"),
-    "window-128": ({"predictor": {"window_tokens": 128}}, "a 128-token training window"),
-    "train-every-64": ({"predictor": {"train_every_tokens": 64}},
-                       "a training step every 64 tokens instead of 32 (half the training CPU)"),
+    "train-every-32": ({"predictor": {"train_every_tokens": 32}},
+                       "a training step every 32 tokens (twice the training CPU)"),
 }
 
 

@@ -170,10 +170,12 @@ def warmup_fits(folder: str | Path, config: FlashMoEConfig) -> bool:
     than rejected at load."""
     try:
         params = json.loads((Path(folder) / "predictor.json").read_text())["params"]
+        components = json.loads((Path(folder) / "extractor.json").read_text())["pca_components"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return params.get("model") == config.predictor.model and \
-        params.get("hidden") == config.predictor.lstm_hidden
+        params.get("hidden") == config.predictor.lstm_hidden and \
+        components == config.features.pca_components
 
 
 WARMUP_PASSES = 2  # two online passes over the warm-up split beat one on dev

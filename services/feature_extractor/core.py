@@ -127,6 +127,7 @@ class FeatureExtractor:
         self.position = position
         a = self.params.alpha
         prior = self.ema[64]
+        ap = a * prior  # the prior's weight in every table estimate
         X = np.empty((self.N, len(FEATURES)), np.float32)
         X[:, 0] = self.u1
         X[:, 1] = self.pr1
@@ -138,20 +139,20 @@ class FeatureExtractor:
         X[:, 6] = np.minimum(np.log2(1 + self.gap), LOG_CAP) / LOG_CAP
         X[:, 7] = np.minimum(np.log2(1 + self.gapm), LOG_CAP) / LOG_CAP
         row = self.row = self._row_of(token)
-        X[:, 8] = (self.tab_c[row] + a * prior) / (self.tab_n[row] + a)
+        X[:, 8] = (self.tab_c[row] + ap) / (self.tab_n[row] + a)
         ctx = self.ctx = self.fingerprint(self.history)
-        X[:, 9] = (self.ctx_c[ctx] + a * prior) / (self.ctx_n[ctx] + a)
+        X[:, 9] = (self.ctx_c[ctx] + ap) / (self.ctx_n[ctx] + a)
         if self.prev_experts is not None:
             rows = self._layer_index[:, None]
             counts = self.tr_c[rows, self.prev_experts]  # (L, K, E)
             seen = self.tr_n[rows, self.prev_experts][..., None]
-            smoothed = (counts + a * prior.reshape(self.L, 1, self.E)) / (seen + a)
+            smoothed = (counts + ap.reshape(self.L, 1, self.E)) / (seen + a)
             X[:, 10] = smoothed.mean(1).reshape(self.N)
         else:
             X[:, 10] = prior
         X[:, 11] = min(np.log2(1 + position), LOG_CAP) / LOG_CAP
-        X[:, 12] = (self.nxt_c[row] + a * prior) / (self.nxt_n[row] + a)
-        X[:, 13] = (self.nx4_c[row] + a * prior) / (self.nx4_n[row] + a)
+        X[:, 12] = (self.nxt_c[row] + ap) / (self.nxt_n[row] + a)
+        X[:, 13] = (self.nx4_c[row] + ap) / (self.nx4_n[row] + a)
         X[:, 14] = self.u2
         self.stepped = True
         return X

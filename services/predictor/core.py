@@ -42,18 +42,18 @@ CENSORED = 10 ** 9
 
 @dataclass(frozen=True)
 class LearnerParams:
-    model: str = "lstm"  # lstm | linear
+    model: str = "linear"  # linear | lstm
     hidden: int = 64
     lstm_layers: int = 2
     window: int = 32  # tokens of the training window
-    train_every: int = 32  # tokens between training steps
+    train_every: int = 64  # tokens between training steps
     lr: float = 2e-3
     lr_fast: float = 1e-2  # per-key bias and skip weights
     weight_b: float = 0.25  # weight of head B's loss
     ewc_strength: float = 0.0  # weight of the EWC penalty (0: off)
     ewc_lambda: float = 0.5  # its multiplier during an elastic update
     fisher_decay: float = 0.99
-    drift: bool = True
+    drift: bool = False
     drift_delta: float = 0.005
     drift_threshold: float = 2.0  # Page-Hinkley lambda
     elastic_tokens: int = 500
@@ -179,17 +179,17 @@ class Learner:
         started = time.thread_time()
         i = self.t % self.W
         self.zbuf[i], self.xbuf[i], self.states[i] = z, x, self.state
-        zt, xt = torch.from_numpy(z), torch.from_numpy(np.ascontiguousarray(x))
         if self.infer_net is self.net:
-            logits, self.state = self.net.step(zt, xt, self.state)
+            logits, self.state = self.net.step(self.zbuf[i], self.xbuf[i], self.state)
+            logits = torch.from_numpy(logits)
         else:  # the INT8 copy: its quantized LSTM runs as a module
-            logits, self.state = self.infer_net(zt[None], xt[None], self.state)
+            logits, self.state = self.infer_net(torch.from_numpy(self.zbuf[i:i + 1]),
+                                                torch.from_numpy(self.xbuf[i:i + 1]),
+                                                self.state)
             logits = logits[0]
-        lg = logits.numpy()  # (HEADS, BUCKETS, N)
-        P = np.exp(lg - lg.max(1, keepdims=True))
-        P /= P.sum(1, keepdims=True)
+        P = torch.softmax(logits, 1).numpy()  # (HEADS, BUCKETS, N)
         self.last_p_used = P[0, 0]
-        S = estimates(P[0], P[1], self.L)
+        S = estimates(P, self.L)
         self.cpu_s["infer"] += time.thread_time() - started
         return S
 

@@ -47,13 +47,23 @@ def bucket_nll(logits: torch.Tensor, bucket: torch.Tensor, censored: torch.Tenso
     return -torch.log((p * mask).sum(-2) + 1e-9)
 
 
-def estimates(PA: np.ndarray, PB: np.ndarray, num_layers: int) -> np.ndarray:
-    """(3, N) S arrays from bucket probabilities PA, PB of shape (BUCKETS, N)."""
-    d0 = 1.0 / (INV @ PA)
-    tail = PA[1:]
-    d1 = 1.0 / ((INV_SHIFTED @ tail) / np.maximum(tail.sum(0), 1e-9))
-    d2 = 1.0 / (INV @ PB)
-    return (num_layers * (np.stack([d0, d1, d2]) - 1.0)).astype(np.float32)
+# estimates() as one product: rows E[1/dist] (head A), its tail given dist >= 2 shifted by
+# one token, E[1/dist] (head B), and head A's mass at dist >= 2.
+_MIX = np.zeros((4, HEADS * BUCKETS), np.float32)
+_MIX[0, :BUCKETS] = INV
+_MIX[1, 1:BUCKETS] = INV_SHIFTED
+_MIX[2, BUCKETS:] = INV
+_MIX[3, 1:BUCKETS] = 1.0
+
+
+def estimates(P: np.ndarray, num_layers: int) -> np.ndarray:
+    """(3, N) S arrays from the bucket probabilities P (HEADS, BUCKETS, N) of heads A and B:
+    S = L * (D - 1), D the harmonic mean of the distance, in the three variants above."""
+    R = _MIX @ P.reshape(HEADS * BUCKETS, -1)
+    R[1] /= np.maximum(R[3], 1e-9)
+    S = num_layers / R[:3]
+    S -= num_layers
+    return S.astype(np.float32, copy=False)
 
 
 class Net(nn.Module):
@@ -95,24 +105,31 @@ class Net(nn.Module):
             T, HEADS * BUCKETS, L * E)
         return out.view(T, HEADS, BUCKETS, L * E), state
 
-    def step(self, z: torch.Tensor, x: torch.Tensor, state=None):
+    @torch.no_grad()
+    def step(self, z: np.ndarray, x: np.ndarray, state=None):
         """One token, for inference: z (L, dims), x (N, features) -> logits (HEADS, BUCKETS,
-        N), the new LSTM state. The same function as ``forward`` at T = 1 (to float rounding:
-        the LSTM runs as cells, the matrix products as plain ones), at half its CPU."""
+        N) as a numpy array, the new LSTM state. The same function as ``forward`` at T = 1 (to
+        float rounding), at about half its CPU: the LSTM runs as cells, the rest as numpy
+        products on views of the weights (a live predictor wakes with cold caches once a
+        token, and then every torch dispatch costs several times its warm price)."""
         L, E = self.L, self.E
-        out = torch.addmm(self.bias, self.skip.t(), x.t())  # (HEADS * BUCKETS, N)
         h = z
         if self.lstm is not None:
+            inp = torch.from_numpy(z)
             if state is None:
-                zeros = z.new_zeros(self.lstm.num_layers, L, self.lstm.hidden_size)
+                zeros = inp.new_zeros(self.lstm.num_layers, L, self.lstm.hidden_size)
                 state = (zeros, zeros)
             hs, cs = [], []
             for k in range(self.lstm.num_layers):
-                h, c = torch.lstm_cell(h, (state[0][k], state[1][k]),
-                                       *self.lstm._flat_weights[4 * k:4 * k + 4])
-                hs.append(h)
+                inp, c = torch.lstm_cell(inp, (state[0][k], state[1][k]),
+                                         *self.lstm._flat_weights[4 * k:4 * k + 4])
+                hs.append(inp)
                 cs.append(c)
             state = (torch.stack(hs), torch.stack(cs))
-        o = torch.bmm(h[:, None, :], self.head)  # (L, 1, HEADS * BUCKETS * E)
-        out += o.view(L, HEADS * BUCKETS, E).transpose(0, 1).reshape(HEADS * BUCKETS, L * E)
-        return out.view(HEADS, BUCKETS, L * E), state
+            h = inp.numpy()
+        out = self.skip.detach().numpy().T @ x.T  # (HEADS * BUCKETS, N)
+        out += self.bias.detach().numpy()
+        o = np.matmul(h[:, None, :], self.head.detach().numpy())  # (L, 1, HEADS*BUCKETS*E)
+        out += o.reshape(L, HEADS * BUCKETS, E).transpose(1, 0, 2).reshape(HEADS * BUCKETS,
+                                                                             L * E)
+        return out.reshape(HEADS, BUCKETS, L * E), state

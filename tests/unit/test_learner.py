@@ -6,7 +6,8 @@ import torch
 
 from services.feature_extractor.core import FeatureExtractor
 from services.predictor.core import window_labels
-from services.predictor.model import BUCKETS, HEADS, Net, bucket_nll
+from services.predictor.model import (BUCKETS, HEADS, INV, INV_SHIFTED, Net, bucket_nll,
+                                      estimates)
 
 L, E, K, DIMS, FEATURES = 3, 8, 2, 16, 5
 
@@ -28,9 +29,9 @@ def test_one_step_equals_the_sequence_forward(core):
         whole, _ = net(z, x)
         state = None
         for t in range(4):  # token by token, the state carried as inference carries it
-            logits, state = net.step(z[t], x[t], state)
+            logits, state = net.step(z[t].numpy(), x[t].numpy(), state)
             assert logits.shape == (HEADS, BUCKETS, L * E)
-            torch.testing.assert_close(logits, whole[t], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(logits, whole[t].numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_the_bucket_likelihood_is_the_bucket_or_the_tail_when_censored():
@@ -88,4 +89,19 @@ def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
     assert not warmup_fits(tmp_path, lstm)
     (tmp_path / "predictor.json").write_text(json.dumps({"params": {"model": "lstm",
                                                                     "hidden": 64}}))
+    assert not warmup_fits(tmp_path, lstm)  # no extractor.json
+    (tmp_path / "extractor.json").write_text(json.dumps({"pca_components": 128}))
     assert warmup_fits(tmp_path, lstm) and not warmup_fits(tmp_path, linear)
+    fewer = load_config(env={}, overrides=["predictor.model=lstm", "features.pca_components=64"])
+    assert not warmup_fits(tmp_path, fewer)
+
+
+def test_the_estimate_is_the_harmonic_mean_distance_in_its_three_variants():
+    rng = np.random.default_rng(4)
+    P = rng.random((HEADS, BUCKETS, 9)).astype(np.float32)
+    P /= P.sum(1, keepdims=True)
+    S = estimates(P, L)
+    d0 = 1 / (INV @ P[0])
+    d1 = P[0, 1:].sum(0) / (INV_SHIFTED @ P[0, 1:])  # given a distance >= 2, a token later
+    d2 = 1 / (INV @ P[1])
+    np.testing.assert_allclose(S, L * (np.stack([d0, d1, d2]) - 1), rtol=1e-5)
