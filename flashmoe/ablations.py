@@ -38,6 +38,7 @@ VARIANTS: dict[str, tuple[dict, str]] = {
                    "the seed's hybrid: best-scored half kept, LRU for the rest"),
     "window-16": ({"predictor": {"window_tokens": 16}}, "a 16-token training window"),
     "window-64": ({"predictor": {"window_tokens": 64}}, "a 64-token training window"),
+    "lr-x2": ({"predictor": {"learning_rate": 4e-3}}, "twice the learning rates"),
     "train-every-32": ({"predictor": {"train_every_tokens": 32}},
                        "a training step every 32 tokens (twice the training CPU)"),
 }

@@ -184,6 +184,22 @@ def _worker_timings(path: Path) -> list[float]:
     return doc.get("token_ms", [])
 
 
+def _learner_cpu(launcher: Launcher) -> dict:
+    """The learning path's CPU a token (the extractor's and the predictor's learning threads),
+    from their control sockets, as `flashmoe run` reports it; empty if they do not answer."""
+    from common.bus import ServiceUnavailable, stats
+    from flashmoe.run import learner_cpu_by_stage
+
+    try:
+        stages = learner_cpu_by_stage(
+            stats(launcher.children["feature_extractor"].control_endpoint, timeout_s=5.0),
+            stats(launcher.children["predictor"].control_endpoint, timeout_s=5.0))
+    except (ServiceUnavailable, KeyError):
+        return {}
+    return {"learner_cpu_ms_per_token": round(sum(stages.values()), 3),
+            "learner_cpu_ms_by_stage": stages}
+
+
 def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capacity: int,
                workdir: Path, budget: float, settings: tuple[str, ...] = ()) -> Run:
     """flashmoe or lru: the cache manager (+ the learning path for flashmoe) and the worker.
@@ -222,6 +238,7 @@ def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capa
         started = time.perf_counter()
         worker.wait()
         wall = time.perf_counter() - started
+        learner = _learner_cpu(launcher) if mode == "flashmoe" else {}
         run = Run(mode, budget, peak_pss_bytes=peak.stop())
         if worker.returncode != 0:
             raise RuntimeError(f"{mode} worker failed: {(runtime / 'worker.log').read_text()[-2000:]}")
@@ -233,6 +250,7 @@ def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capa
         run.extra = {k: stats.get(k) for k in ("n_hit", "n_miss", "n_hit_loading",
                                                "prefetch_issued", "prefetch_learned",
                                                "prefetch_used", "prefetch_wasted", "engine")}
+        run.extra.update(learner)
         return run
     finally:
         launcher.stop_all()
@@ -301,6 +319,9 @@ def summarize(runs: list[Run], tokens: int) -> dict:
             "peak_pss_bytes": int(statistics.median([r.peak_pss_bytes for r in runs])),
             "stall_free_rate": (statistics.median([r.stall_free_rate for r in runs])
                                 if first.stall_free_rate is not None else None),
+            "learner_cpu_ms_per_token": (
+                statistics.median([r.extra["learner_cpu_ms_per_token"] for r in runs])
+                if all("learner_cpu_ms_per_token" in r.extra for r in runs) else None),
             "extra": runs[-1].extra}
 
 
@@ -359,15 +380,18 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
 
 def format_table(report: dict) -> str:
     head = (f"{'mode':<9} {'budget':>6} {'tok/s':>7} {'(min..max)':>14} {'p50 ms':>8} "
-            f"{'p99 ms':>8} {'SSD MB/s':>9} {'MB/token':>9} {'PSS GB':>7} {'stall-free':>10}")
+            f"{'p99 ms':>8} {'SSD MB/s':>9} {'MB/token':>9} {'PSS GB':>7} {'stall-free':>10} "
+            f"{'learner ms':>10}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         sf = f"{r['stall_free_rate']:.3f}" if r["stall_free_rate"] is not None else "-"
+        cpu = r.get("learner_cpu_ms_per_token")
+        cpu = f"{cpu:.2f}" if cpu is not None else "-"
         rows.append(f"{r['mode']:<9} {r['budget_fraction']:>6g} {r['tokens_per_s']:>7.2f} "
                     f"({r['tokens_per_s_min']:>5.2f}..{r['tokens_per_s_max']:<5.2f}) "
                     f"{r['ms_per_token_p50']:>8.1f} {r['ms_per_token_p99']:>8.1f} "
                     f"{r['ssd_mb_per_s'] or 0:>9.1f} {r['bytes_per_token'] / 1e6:>9.1f} "
-                    f"{r['peak_pss_bytes'] / 1e9:>7.2f} {sf:>10}")
+                    f"{r['peak_pss_bytes'] / 1e9:>7.2f} {sf:>10} {cpu:>10}")
     for mode, reason in report["skipped"].items():
         rows.append(f"{mode}: skipped ({reason})")
     rows.append(f"store: {report['shape']} shape at scale {report['scale']} "

@@ -66,6 +66,7 @@ class LearnerParams:
         """From the ``predictor`` section of a FlashMoEConfig."""
         p = config.predictor
         return cls(model=p.model, hidden=p.lstm_hidden, window=p.window_tokens,
+                   lr=p.learning_rate, lr_fast=5 * p.learning_rate,
                    train_every=p.train_every_tokens, ewc_strength=p.ewc_strength,
                    ewc_lambda=p.ewc_lambda, drift=p.drift, drift_threshold=p.drift_threshold,
                    int8=p.int8)

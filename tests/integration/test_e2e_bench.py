@@ -33,6 +33,10 @@ def test_every_mode_runs_and_reports(tmp_path):
     for mode, row in modes.items():
         assert KEYS <= set(row) and row["tokens_per_s"] > 0 and row["peak_pss_bytes"] > 0
         assert (row["stall_free_rate"] is None) == (mode in ("mmap", "ram"))
+        # the learner's CPU a token, beside the token time, where there is a learner
+        assert (row["learner_cpu_ms_per_token"] is None) == (mode != "flashmoe")
+    assert modes["flashmoe"]["learner_cpu_ms_per_token"] > 0
+    assert set(modes["flashmoe"]["extra"]["learner_cpu_ms_by_stage"]) >= {"extract", "infer"}
     assert modes["lru"]["bytes_read"] > 0 and modes["flashmoe"]["bytes_read"] > 0
     text = e2e_bench.format_table(report)
     assert "flashmoe" in text and json.dumps(report)
