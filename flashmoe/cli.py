@@ -384,6 +384,17 @@ def cmd_learning_report(args) -> int:
     return 0
 
 
+def cmd_learner_cpu(args) -> int:
+    from common.traces import load_trace
+    from flashmoe import learner_cpu
+
+    trace = load_trace(args.trace, Path(args.traces_dir))
+    report = learner_cpu.measure(trace, _config(args), args.warmup, args.pause_ms, args.tokens)
+    print(learner_cpu.format_table(report))
+    _save(args, report)
+    return 0
+
+
 def cmd_ablations(args) -> int:
     from common.traces import load_trace
     from flashmoe import ablations
@@ -753,6 +764,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     _add_config_flags(p)
     p.set_defaults(func=cmd_learning_report)
+
+    p = sub.add_parser("learner-cpu", help="the learning path's CPU a token in-process, with "
+                                           "pauses between tokens as a live run has")
+    p.add_argument("--trace", default="gptoss20b:eval")
+    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    p.add_argument("--warmup", metavar="CKPT")
+    p.add_argument("--pause-ms", type=_csv(float), default=[0.0, 5.0, 60.0],
+                   help="pauses between tokens to measure (0: a tight loop)")
+    p.add_argument("--tokens", type=int, default=300, help="tokens a row")
+    p.add_argument("--json", metavar="FILE")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_learner_cpu)
 
     p = sub.add_parser("ablations", help="each mechanism of the learned policy on or off: "
                                          "warm-up on fit, measured on dev")
