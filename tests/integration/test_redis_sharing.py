@@ -53,7 +53,8 @@ def server():
 
 def cluster_config(url: str, device: str, *overrides: str):
     return load_config(env={}, overrides=[
-        "features.pca_components=8", "predictor.lstm_hidden=32", f"cluster.redis_url={url}",
+        "features.pca_components=8", "predictor.model=lstm", "predictor.lstm_hidden=32",
+        f"cluster.redis_url={url}",
         f"cluster.device_id={device}", "cluster.timeout_s=0.3", "cluster.backoff_max_s=0.5",
         "cluster.publish_every_s=0.1", *overrides])
 

@@ -27,7 +27,7 @@ L, E, K = 3, 8, 2
 
 
 def config():
-    return load_config(env={}, overrides=["features.pca_components=8",
+    return load_config(env={}, overrides=["features.pca_components=8", "predictor.model=lstm",
                                           "predictor.lstm_hidden=32"])
 
 
@@ -91,7 +91,7 @@ def test_parse_device_checks_shapes_dtypes_and_the_total_size():
         parse_device(good, "b", shape(), 4 << 20)
     with pytest.raises(PayloadError, match="over cluster.max_bytes"):
         parse_device(good, "a", shape(), 64 << 10)
-    other = load_config(env={}, overrides=["features.pca_components=8",
+    other = load_config(env={}, overrides=["features.pca_components=8", "predictor.model=lstm",
                                            "predictor.lstm_hidden=64"])
     with pytest.raises(PayloadError, match="predictor"):
         parse_device(good, "a", ModelShape.of(L, E, other.features, other.predictor), 4 << 20)
