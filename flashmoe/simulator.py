@@ -174,8 +174,13 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
         core = CacheManagerCore(sizes, n_slots, policy, params, scope=scope, allow_oracle=True,
                                 prefetch_budget=prefetch_budget, prefetch_window=prefetch_window)
         if next_use is not None:
-            for p in core.policies.values():
-                p.feed(next_use[start * L * K:stop * L * K].tolist())
+            future = next_use[start * L * K:stop * L * K]
+            if scope == "layer":  # each layer's cache sees its own layer's requests only
+                future = future.reshape(-1, L, K)
+                for layer, p in core.policies.items():
+                    p.feed(future[:, layer].reshape(-1).tolist())
+            else:
+                core.policies[None].feed(future.tolist())
         hooks.start(core)
         acquire, finish, stats = core.acquire, core.finish_load, core.stats
         hooked = type(hooks) is not ReplayHooks  # the plain replay skips the no-op calls

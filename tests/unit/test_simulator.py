@@ -102,3 +102,23 @@ def test_bench_with_prefetch_reports_stall_free_rate_and_prefetch_counts():
         assert row["prefetch_learned"] >= 0
     assert by["lru"]["prefetch_learned"] == by["nextuse"]["prefetch_learned"] == 0
     assert "prefetch_issued" not in by["belady"] or by["belady"]["prefetch_issued"] == 0
+
+
+def test_core_mode_belady_is_the_bound_in_the_layer_scope_too():
+    """Each layer's Belady in the core is fed the next uses of its own layer's requests (not the
+    whole token-major stream): no policy beats it, and it stays near the per-request replay's
+    Belady (the core can only do worse: a request's experts are held together, where the replay
+    may evict one of them for the next)."""
+    rng = np.random.default_rng(3)
+    experts = np.stack([np.stack([rng.choice(8, size=2, replace=False, p=w) for w in
+                                  (np.full(8, 1 / 8), np.linspace(1, 3, 8) / 16, np.full(8, 1 / 8))])
+                        for _ in range(60)]).astype(np.int16)
+    trace = Trace("skewed", experts, np.array([0, 25, 60]), 8, "olmoe-1b-7b")
+    report = run_bench(trace, "layer", [0.5], ["lru", "arc", "belady"],
+                       DEVICES["orin-980pro"], MODEL_SHAPES["olmoe-1b-7b"], jobs=1,
+                       progress=False)
+    hits = {r["policy"]: r["hits"] for r in report["results"]}
+    req = build_requests(trace, "layer")
+    bound = int(replay("belady", 4, req).sum())
+    assert 0.95 * bound <= hits["belady"] <= bound
+    assert hits["belady"] > max(hits["lru"], hits["arc"])
