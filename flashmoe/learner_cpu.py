@@ -40,9 +40,7 @@ def measure(trace: Trace, config: FlashMoEConfig, warmup: str | None,
     for pause in pauses_ms:
         for mode in (modes if pause > 0 else ("none",)):
             wait = {"sleep": time.sleep, "spin": _spin, "none": lambda s: None}[mode]
-            learning.cpu_s = {k: 0.0 for k in learning.cpu_s}
-            learning.learner.cpu_s = {k: 0.0 for k in learning.learner.cpu_s}
-            learning.tokens = 0
+            learning.reset_cpu()
             wall = 0.0
             for i in range(tokens):
                 wait(pause / 1e3)

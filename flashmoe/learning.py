@@ -81,6 +81,12 @@ class Learning:
     def cpu_ms_per_token(self) -> float:
         return 1e3 * sum(self.cpu_s.values()) / max(self.tokens, 1)
 
+    def reset_cpu(self) -> None:
+        """Start the CPU accounting (this path's and the learner's stages) from zero."""
+        self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)
+        self.learner.cpu_s = dict.fromkeys(self.learner.cpu_s, 0.0)
+        self.tokens = 0
+
     # --- checkpoints ------------------------------------------------------------------------
 
     def save(self, folder: str | Path, extra: dict | None = None) -> None:

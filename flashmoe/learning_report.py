@@ -83,9 +83,10 @@ def task_shift(trace: Trace, capacity: int, device: DeviceModel, shape: ModelSha
     # What drift handling buys, on against off whatever the default: the curves above run
     # the defaults; the other setting is one more replay.
     other = not config.predictor.drift
-    work.append(("flashmoe", "ordered-drift" if other else "ordered-nodrift",
-                 {"predictor": {"drift": other}}))
-    traces["ordered-drift" if other else "ordered-nodrift"] = trace
+    toggled = "ordered-drift" if other else "ordered-nodrift"
+    work.append(("flashmoe", toggled, {"predictor": {"drift": other}}))
+    traces[toggled] = trace
+    on, off = (toggled, "ordered") if other else ("ordered", toggled)
     _JOB.update(traces=traces, config=config, warmup=warmup, capacity=capacity,
                 device=device, shape=shape)
     started = time.perf_counter()
@@ -105,10 +106,8 @@ def task_shift(trace: Trace, capacity: int, device: DeviceModel, shape: ModelSha
     for start, dataset in marks[1:]:
         stop = min(start + after, trace.n_tokens)
         span = (stop - start) * accesses_per_token
-        on = curves["ordered-drift" if other else "ordered"]["flashmoe"]["per_token"]
-        off = curves["ordered" if other else "ordered-nodrift"]["flashmoe"]["per_token"]
-        with_drift = on[start:stop].sum() / span
-        without = off[start:stop].sum() / span
+        with_drift = curves[on]["flashmoe"]["per_token"][start:stop].sum() / span
+        without = curves[off]["flashmoe"]["per_token"][start:stop].sum() / span
         drift.append({"token": start, "dataset": dataset, "with_drift": round(float(with_drift), 4),
                       "without_drift": round(float(without), 4)})
     for variant in curves.values():
