@@ -213,8 +213,14 @@ def cmd_serve_panel(args) -> int:
 
 
 def cmd_build_helper(args) -> int:
+    from common.cbuild import BuildError
     from services.cache_manager.io_engine import build_helper
+    from services.predictor import fast_infer
 
+    try:  # the predictor's fused inference (without it, the numpy path runs)
+        print(fast_infer.build(force=args.force))
+    except BuildError as exc:
+        print(f"warning: {exc}", file=sys.stderr)
     print(build_helper(force=args.force))
     return 0
 
@@ -635,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(func=cmd_serve_panel)
 
-    p = sub.add_parser("build-helper", help="compile the io_uring C helper")
+    p = sub.add_parser("build-helper", help="compile the C helpers: the io_uring engine's "
+                       "and the predictor's fused inference")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_build_helper)
 

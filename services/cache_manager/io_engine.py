@@ -33,8 +33,6 @@ import errno
 import logging
 import os
 import select
-import shutil
-import subprocess
 import threading
 import time
 from collections import deque
@@ -43,6 +41,7 @@ from typing import NoReturn, Protocol, Sequence
 
 import numpy as np
 
+from common.cbuild import BuildError, build_library
 from common.store import READ_OP_DTYPE
 
 log = logging.getLogger(__name__)
@@ -133,23 +132,10 @@ def parse_fault_spec(spec: str) -> list[tuple[str, int]]:
 
 def build_helper(force: bool = False) -> Path:
     """Compile the C helper with the system compiler and liburing; returns the library path."""
-    if HELPER_LIBRARY.exists() and not force and (
-            HELPER_LIBRARY.stat().st_mtime >= HELPER_SOURCE.stat().st_mtime):
-        return HELPER_LIBRARY
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise IOEngineError("no C compiler found to build the io_uring helper (set CC)")
-    # A name of our own, so that two builds at once each replace the library whole.
-    tmp = HELPER_LIBRARY.with_suffix(f".so.{os.getpid()}.tmp")
-    cmd = [compiler, "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-o", str(tmp),
-           str(HELPER_SOURCE), "-luring"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise IOEngineError(f"building the io_uring helper failed ({' '.join(cmd)}):\n"
-                            f"{proc.stderr.strip()}\n(is liburing-dev installed?)")
-    os.replace(tmp, HELPER_LIBRARY)
-    return HELPER_LIBRARY
+    try:
+        return build_library(HELPER_SOURCE, HELPER_LIBRARY, ["-O2"], ["-luring"], force)
+    except BuildError as exc:
+        raise IOEngineError(f"{exc}\n(is liburing-dev installed?)") from None
 
 
 def _load_helper() -> ctypes.CDLL:

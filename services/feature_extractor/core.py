@@ -34,6 +34,11 @@ LOG_CAP = 10.0
 NEVER = -(10 ** 9)
 
 
+def _log_feature(gap: np.ndarray) -> np.ndarray:
+    """A reuse gap in tokens as a feature in [0, 1]: log2(1 + gap), capped, scaled."""
+    return np.minimum(np.log2(1 + gap), LOG_CAP) / LOG_CAP
+
+
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
                                           digest_size=8).digest(), "little")
@@ -74,8 +79,7 @@ class FeatureExtractor:
         bits = params.simhash_bits
         self.ctx_c = np.zeros((1 << bits, N), np.float32)
         self.ctx_n = np.zeros(1 << bits, np.float32)
-        self._bits_of: dict[str, np.ndarray] = {}
-        self._powers = (1 << np.arange(bits)).astype(np.int64)
+        self._bits_of: dict[str, tuple[float, ...]] = {}
         self.tr_c = np.zeros((num_layers, num_experts, num_experts), np.float32)
         self.tr_n = np.zeros((num_layers, num_experts), np.float32)
         self.prev_experts: np.ndarray | None = None
@@ -86,24 +90,31 @@ class FeatureExtractor:
         self.position = 0
         self.stepped = False  # step() was called for the token observe() will record
         self._layer_index = np.arange(num_layers)
+        self._layer_base = (self._layer_index * num_experts)[:, None]
+        self._pair_layer = np.repeat(self._layer_index, top_k * top_k)  # transitions' indices
+        self._src_layer = np.repeat(self._layer_index, top_k)
+        # log-scaled reuse gaps, kept as features (they change only where a key is used)
+        self.gap_feature = np.ones(N, np.float32)
+        self.gapm_feature = np.ones(N, np.float32)
 
     # --- context tables ----------------------------------------------------------------------
 
-    def _token_bits(self, token: str) -> np.ndarray:
+    def _token_bits(self, token: str) -> tuple[float, ...]:
         bits = self._bits_of.get(token)
         if bits is None:
             h = _hash64(token)
-            bits = np.array([1.0 if (h >> i) & 1 else -1.0
-                             for i in range(self.params.simhash_bits)], np.float32)
+            bits = tuple(1.0 if (h >> i) & 1 else -1.0 for i in range(self.params.simhash_bits))
             self._bits_of[token] = bits
         return bits
 
     def fingerprint(self, tokens: list[str]) -> int:
-        """SimHash of the recent input tokens (weighted, the newest heaviest)."""
-        acc = np.zeros(self.params.simhash_bits, np.float32)
+        """SimHash of the recent input tokens (weighted, the newest heaviest): bit i is set
+        when the weighted vote of the tokens' hash bits i is positive. (Plain Python: three
+        tokens of 12 bits cost less than numpy's dispatch.)"""
+        acc = [0.0] * self.params.simhash_bits
         for weight, token in zip(self.params.window[-len(tokens):], tokens):
-            acc += weight * self._token_bits(token)
-        return int(self._powers[acc > 0].sum())
+            acc = [a + weight * b for a, b in zip(acc, self._token_bits(token))]
+        return sum(1 << i for i, a in enumerate(acc) if a > 0)
 
     def _row_of(self, token: str) -> int:
         row = self.token_row.get(token)
@@ -136,8 +147,8 @@ class FeatureExtractor:
         X[:, 4] = prior
         since = np.maximum(self.t - self.last, 1).astype(np.float32)
         X[:, 5] = np.minimum(np.log2(since), LOG_CAP) / LOG_CAP
-        X[:, 6] = np.minimum(np.log2(1 + self.gap), LOG_CAP) / LOG_CAP
-        X[:, 7] = np.minimum(np.log2(1 + self.gapm), LOG_CAP) / LOG_CAP
+        X[:, 6] = self.gap_feature
+        X[:, 7] = self.gapm_feature
         row = self.row = self._row_of(token)
         X[:, 8] = (self.tab_c[row] + ap) / (self.tab_n[row] + a)
         ctx = self.ctx = self.fingerprint(self.history)
@@ -147,7 +158,7 @@ class FeatureExtractor:
             counts = self.tr_c[rows, self.prev_experts]  # (L, K, E)
             seen = self.tr_n[rows, self.prev_experts][..., None]
             smoothed = (counts + ap.reshape(self.L, 1, self.E)) / (seen + a)
-            X[:, 10] = smoothed.mean(1).reshape(self.N)
+            X[:, 10] = (smoothed.sum(1) / self.K).reshape(self.N)  # the mean over the K
         else:
             X[:, 10] = prior
         X[:, 11] = min(np.log2(1 + position), LOG_CAP) / LOG_CAP
@@ -162,15 +173,15 @@ class FeatureExtractor:
         if not self.stepped:
             raise RuntimeError("observe() needs step() for the same token first")
         self.stepped = False
-        E, K = self.E, self.K
+        K = self.K
         experts = np.asarray(experts, np.int64)
-        keys = (experts + (self._layer_index * E)[:, None]).reshape(-1)
+        keys = (experts + self._layer_base).reshape(-1)  # distinct: a layer's top-k are
         used = np.zeros(self.N, np.float32)
         used[keys] = 1.0
-        for h, lam in self.decay.items():
+        for h, lam in self.decay.items():  # ema = lam * ema + (1 - lam) * used
             ema = self.ema[h]
             ema *= lam
-            ema += (1 - lam) * used
+            ema[keys] += np.float32(1 - lam)
         self.u2, self.u1 = self.u1, used
         self.pr1 = np.zeros(self.N, np.float32)
         if probs is not None and len(probs):
@@ -182,6 +193,8 @@ class FeatureExtractor:
         first = self.gapm[again] >= 2.0 ** LOG_CAP
         self.gapm[again] = np.where(first, gaps[seen_before],
                                     0.75 * self.gapm[again] + 0.25 * gaps[seen_before])
+        self.gap_feature[again] = _log_feature(self.gap[again])
+        self.gapm_feature[again] = _log_feature(self.gapm[again])
         self.last[keys] = self.t
         row, ctx = self.row, self.ctx
         self.tab_c[row, keys] += 1
@@ -199,11 +212,11 @@ class FeatureExtractor:
         if self.prev_experts is not None and self.position > 0:
             # A layer's top-k experts are distinct, so no (layer, src, dst) pair repeats and
             # a plain indexed += counts each once (np.add.at is several times slower).
-            layer = np.repeat(self._layer_index, K * K)
-            src = np.repeat(self.prev_experts, K, axis=1).reshape(-1)
-            dst = np.tile(experts, (1, K)).reshape(-1)
-            self.tr_c[layer, src, dst] += 1.0
-            self.tr_n[np.repeat(self._layer_index, K), self.prev_experts.reshape(-1)] += 1.0
+            pairs = (self.L, K, K)  # every (expert at t-1, expert at t) of a layer
+            src = np.broadcast_to(self.prev_experts[:, :, None], pairs).reshape(-1)
+            dst = np.broadcast_to(experts[:, None, :], pairs).reshape(-1)
+            self.tr_c[self._pair_layer, src, dst] += 1.0
+            self.tr_n[self._src_layer, self.prev_experts.reshape(-1)] += 1.0
         self.prev_experts = experts
         self.t += 1
 
@@ -235,14 +248,43 @@ class OnlinePCA:
     def out_dim(self) -> int:
         return self.k or self.dim
 
+    # The covariance is C <- (1 - a) C + (a / m) X^T X per update (X: the m centred vectors).
+    # Its products are deferred: each update keeps its X scaled by sqrt(a / m / s), s the
+    # product of the (1 - a) since the last fold, and reading ``cov`` sums them all in one
+    # matrix product, C = s (C_fold + sum X'^T X'), when a refit or a checkpoint needs it
+    # (one 256 x 256 product per update cost a live extractor more than its features).
+
+    @property
+    def cov(self) -> np.ndarray:
+        if self._pending:
+            scaled = np.concatenate(self._pending)
+            self._cov += scaled.T @ scaled
+            self._cov *= self._shrink
+            self._pending, self._shrink = [], 1.0
+        elif self._shrink != 1.0:
+            self._cov *= self._shrink
+            self._shrink = 1.0
+        return self._cov
+
+    @cov.setter
+    def cov(self, value: np.ndarray) -> None:
+        self._cov = value
+        self._pending: list[np.ndarray] = []
+        self._shrink = 1.0
+
     def update(self, vectors: np.ndarray) -> None:
         """One token's vectors (L, dim)."""
         self.weight = self.decay * self.weight + 1.0
         a = 1.0 / self.weight
         self.mean = (1 - a) * self.mean + a * vectors.mean(0)
         centred = vectors - self.mean
-        self.cov *= 1 - a
-        self.cov += (a / len(vectors)) * (centred.T @ centred)
+        if a > 0.5:  # the first updates: s would underflow to 0, so fold and apply now
+            cov = self.cov
+            cov *= 1 - a
+            cov += (a / len(vectors)) * (centred.T @ centred)
+        else:
+            self._shrink *= 1 - a
+            self._pending.append(centred * np.sqrt(a / len(vectors) / self._shrink))
         self.n += 1
         if self.k and (self.n == 50 or self.n % self.every == 0):
             self.refit()
@@ -344,6 +386,7 @@ def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], met
             grown[:len(value)] = value
             value = grown
         setattr(fx, name, value)
+    fx.gap_feature, fx.gapm_feature = _log_feature(fx.gap), _log_feature(fx.gapm)
     fx.t = int(meta["tokens"])
     core.pca.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("pca.")})
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from . import fast_infer
 from .model import Net, bucket_nll, bucket_of, estimates
 
 CENSORED = 10 ** 9
@@ -59,6 +60,7 @@ class LearnerParams:
     elastic_tokens: int = 500
     elastic_lr: float = 3.0
     int8: bool = False
+    infer_precision: str = "bf16"  # the heads in the fused C inference: bf16 | fp32
     seed: int = 0
 
     @classmethod
@@ -69,7 +71,7 @@ class LearnerParams:
                    lr=p.learning_rate, lr_fast=5 * p.learning_rate,
                    train_every=p.train_every_tokens, ewc_strength=p.ewc_strength,
                    ewc_lambda=p.ewc_lambda, drift=p.drift, drift_threshold=p.drift_threshold,
-                   int8=p.int8)
+                   int8=p.int8, infer_precision=p.infer_precision)
 
 
 class PageHinkley:
@@ -171,6 +173,12 @@ class Learner:
         # CPU seconds per stage, of the calling thread (the learning path runs on one).
         self.cpu_s = {"infer": 0.0, "train": 0.0, "quantize": 0.0}
         self.losses: list[float] = []
+        self.fused: fast_infer.FusedInference | None = None
+        try:
+            self.fused = fast_infer.FusedInference(self.net, params.infer_precision)
+            self.inference = f"fused C, {params.infer_precision} heads"
+        except RuntimeError as exc:  # the library is not built: the numpy path
+            self.inference = f"numpy, fp32 ({exc})"
 
     # --- inference ----------------------------------------------------------------------------
 
@@ -180,6 +188,11 @@ class Learner:
         started = time.thread_time()
         i = self.t % self.W
         self.zbuf[i], self.xbuf[i], self.states[i] = z, x, self.state
+        if self.infer_net is self.net and self.fused is not None:
+            h, self.state = self.net.recurrent_step(self.zbuf[i], self.state)
+            S, self.last_p_used = self.fused(h, self.xbuf[i])
+            self.cpu_s["infer"] += time.thread_time() - started
+            return S
         if self.infer_net is self.net:
             logits, self.state = self.net.step(self.zbuf[i], self.xbuf[i], self.state)
             logits = torch.from_numpy(logits)
@@ -212,10 +225,9 @@ class Learner:
             started = time.thread_time()
             self.train_step()
             self.cpu_s["train"] += time.thread_time() - started
-            if self.params.int8:
-                started = time.thread_time()
-                self.quantize()
-                self.cpu_s["quantize"] += time.thread_time() - started
+            started = time.thread_time()
+            self.refresh_inference()
+            self.cpu_s["quantize"] += time.thread_time() - started
         if self.t == self.elastic_until:
             self.set_anchor()
 
@@ -266,6 +278,14 @@ class Learner:
         self.fisher = [f / mean for f in self.fisher_raw]
         self.anchor = [p.detach().clone() for p in self.net.parameters()]
 
+    def refresh_inference(self) -> None:
+        """The inference copies after the weights changed: the fused path's low-precision
+        heads, the INT8 network."""
+        if self.fused is not None:
+            self.fused.refresh()
+        if self.params.int8:
+            self.quantize()
+
     def quantize(self) -> None:
         self.infer_net = torch.ao.quantization.quantize_dynamic(
             copy.deepcopy(self.net), {nn.LSTM, nn.Linear}, dtype=torch.qint8)
@@ -313,6 +333,5 @@ class Learner:
             self.fisher_raw = [f.clone() for f in self.fisher]
         self.steps = int(meta.get("steps", 0))
         self.infer_net = self.net
-        if self.params.int8:
-            self.quantize()
+        self.refresh_inference()
         return meta

@@ -106,27 +106,33 @@ class Net(nn.Module):
         return out.view(T, HEADS, BUCKETS, L * E), state
 
     @torch.no_grad()
+    def recurrent_step(self, z: np.ndarray, state=None) -> tuple[np.ndarray, tuple | None]:
+        """The layer vectors the heads read for one token, z (L, dims) -> h (L, width), and
+        the new LSTM state (z itself without an LSTM). The LSTM runs as cells."""
+        if self.lstm is None:
+            return z, state
+        inp = torch.from_numpy(z)
+        if state is None:
+            zeros = inp.new_zeros(self.lstm.num_layers, self.L, self.lstm.hidden_size)
+            state = (zeros, zeros)
+        hs, cs = [], []
+        for k in range(self.lstm.num_layers):
+            inp, c = torch.lstm_cell(inp, (state[0][k], state[1][k]),
+                                     *self.lstm._flat_weights[4 * k:4 * k + 4])
+            hs.append(inp)
+            cs.append(c)
+        return inp.numpy(), (torch.stack(hs), torch.stack(cs))
+
+    @torch.no_grad()
     def step(self, z: np.ndarray, x: np.ndarray, state=None):
         """One token, for inference: z (L, dims), x (N, features) -> logits (HEADS, BUCKETS,
         N) as a numpy array, the new LSTM state. The same function as ``forward`` at T = 1 (to
         float rounding), at about half its CPU: the LSTM runs as cells, the rest as numpy
         products on views of the weights (a live predictor wakes with cold caches once a
-        token, and then every torch dispatch costs several times its warm price)."""
+        token, and then every torch dispatch costs several times its warm price). The
+        reference of the fused C inference (fast_infer.py)."""
         L, E = self.L, self.E
-        h = z
-        if self.lstm is not None:
-            inp = torch.from_numpy(z)
-            if state is None:
-                zeros = inp.new_zeros(self.lstm.num_layers, L, self.lstm.hidden_size)
-                state = (zeros, zeros)
-            hs, cs = [], []
-            for k in range(self.lstm.num_layers):
-                inp, c = torch.lstm_cell(inp, (state[0][k], state[1][k]),
-                                         *self.lstm._flat_weights[4 * k:4 * k + 4])
-                hs.append(inp)
-                cs.append(c)
-            state = (torch.stack(hs), torch.stack(cs))
-            h = inp.numpy()
+        h, state = self.recurrent_step(z, state)
         out = self.skip.detach().numpy().T @ x.T  # (HEADS * BUCKETS, N)
         out += self.bias.detach().numpy()
         o = np.matmul(h[:, None, :], self.head.detach().numpy())  # (L, 1, HEADS*BUCKETS*E)

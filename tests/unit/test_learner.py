@@ -105,3 +105,80 @@ def test_the_estimate_is_the_harmonic_mean_distance_in_its_three_variants():
     d1 = P[0, 1:].sum(0) / (INV_SHIFTED @ P[0, 1:])  # given a distance >= 2, a token later
     d2 = 1 / (INV @ P[1])
     np.testing.assert_allclose(S, L * (np.stack([d0, d1, d2]) - 1), rtol=1e-5)
+
+
+def _reference(net: Net, z: np.ndarray, x: np.ndarray, state=None):
+    """S and P(used next token) by the numpy path: Net.step, the softmax, estimates()."""
+    logits, state = net.step(z, x, state)
+    P = torch.softmax(torch.from_numpy(logits), 1).numpy()
+    return estimates(P, L), P[0, 0], state
+
+
+@pytest.mark.parametrize("core", ["lstm", "linear"])
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 3e-2)])
+def test_the_fused_inference_equals_the_numpy_path(core, precision, rtol):
+    from services.predictor import fast_infer
+
+    if fast_infer.load() is None:
+        pytest.skip(fast_infer.why_not())
+    net = _net(core)
+    fused = fast_infer.FusedInference(net, precision)
+    rng = np.random.default_rng(7)
+    state_ref = state = None
+    for _ in range(3):  # the LSTM state carried over tokens
+        z = rng.standard_normal((L, DIMS)).astype(np.float32)
+        x = rng.random((L * E, FEATURES)).astype(np.float32)
+        S_ref, p_ref, state_ref = _reference(net, z, x, state_ref)
+        h, state = net.recurrent_step(z, state)
+        S, p_used = fused(h, x)
+        np.testing.assert_allclose(p_used, p_ref, rtol=rtol, atol=rtol * 0.1)
+        np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=rtol)
+    if precision == "bf16":  # a copy of the heads: off the float32 weights by their rounding
+        assert not np.array_equal(S, S_ref)
+
+
+def test_the_fused_inference_follows_the_weights_after_a_training_step():
+    from services.predictor import fast_infer
+    from services.predictor.core import Learner, LearnerParams
+
+    if fast_infer.load() is None:
+        pytest.skip(fast_infer.why_not())
+    learner = Learner(L, E, DIMS, FEATURES, LearnerParams(train_every=4, window=4))
+    assert learner.inference == "fused C, bf16 heads"
+    rng = np.random.default_rng(3)
+    for _ in range(8):  # two training steps
+        z = rng.standard_normal((L, DIMS)).astype(np.float32)
+        x = rng.random((L * E, FEATURES)).astype(np.float32)
+        learner.predict(x, z)
+        learner.observe(rng.choice(L * E, size=L * K, replace=False))
+    assert learner.steps == 2
+    S = learner.predict(x, z)
+    S_ref, p_ref, _ = _reference(learner.net, z, x)
+    np.testing.assert_allclose(S, S_ref, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(learner.last_p_used, p_ref, rtol=3e-2, atol=3e-3)
+    with torch.no_grad():  # weights changed outside a training step: the copy is stale
+        learner.net.head.mul_(-1.0)
+    S_new, _, _ = _reference(learner.net, z, x)
+    assert not np.allclose(learner.fused(z, x)[0], S_new, rtol=3e-2, atol=3e-2)
+    learner.refresh_inference()
+    np.testing.assert_allclose(learner.fused(z, x)[0], S_new, rtol=3e-2, atol=3e-2)
+
+
+def test_the_deferred_pca_covariance_is_the_running_update():
+    from services.feature_extractor.core import OnlinePCA
+
+    rng = np.random.default_rng(5)
+    pca = OnlinePCA(dim=12, components=4, every=40)
+    mean, cov, weight = np.zeros(12), np.zeros((12, 12)), 0.0
+    for n in range(1, 121):  # refits at 40, 50, 80 and 120 read the covariance mid-stream
+        vectors = rng.standard_normal((6, 12)) * np.linspace(0.5, 3, 12)
+        pca.update(vectors)
+        weight = 0.998 * weight + 1.0  # the update as defined, one product at a time
+        a = 1.0 / weight
+        mean = (1 - a) * mean + a * vectors.mean(0)
+        centred = vectors - mean
+        cov = (1 - a) * cov + (a / len(vectors)) * (centred.T @ centred)
+        if n in (3, 77):
+            np.testing.assert_allclose(pca.cov, cov, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(pca.state()["cov"], cov, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(pca.mean, mean, rtol=1e-12)

@@ -1,0 +1,140 @@
+/* The predictor's one-token inference, fused: per-layer heads, skip weights and per-key bias,
+ * the two heads' softmax over the distance buckets, and the three eviction estimates
+ * (services/predictor/model.py: Net.step, then estimates()). One call instead of a dozen
+ * numpy and torch dispatches, and the heads (the bulk of the weights) read as bfloat16: a live
+ * predictor wakes once a token with cold caches, and then its time goes to fetching those
+ * weights from memory. The numpy path in model.py is the reference; tests/unit/test_learner.py
+ * checks this against it.
+ *
+ *   o_l        = h_l @ head_l                         h (L, D), head (L, D, 2 * B * E)
+ *   logit[k,j] = o_l[j * E + e] + bias[j, k] + x_k @ skip[:, j]   k = l * E + e, j < 2 * B
+ *   P          = softmax over the B buckets of each head (A: j < B, B: j >= B)
+ *   S[0]       = L / sum_b P_A[b] inv[b] - L
+ *   S[1]       = L / (sum_{b>=1} P_A[b] inv_shifted[b] / sum_{b>=1} P_A[b]) - L
+ *   S[2]       = L / sum_b P_B[b] inv[b] - L
+ *   p0[k]      = P_A[0]  (the chance the key is used in the predicted token)
+ *
+ * Built by `flashmoe build-helper` (services/predictor/fast_infer.py). */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FM_INFER_ABI 2
+#define MAX_BUCKETS 32
+
+int fm_infer_abi_version(void) { return FM_INFER_ABI; }
+
+/* work[0:O] += a * row[0:O], the row in float32 or bfloat16 (the high half of a float32).
+ * Plain loops: the compiler vectorizes them for whatever it targets. */
+static void axpy_f32(float *work, float a, const float *row, int O) {
+    for (int j = 0; j < O; j++) work[j] += a * row[j];
+}
+
+static void axpy_bf16(float *work, float a, const uint16_t *row, int O) {
+    for (int j = 0; j < O; j++) {
+        const uint32_t bits = (uint32_t)row[j] << 16;
+        float w;
+        memcpy(&w, &bits, sizeof w);
+        work[j] += a * w;
+    }
+}
+
+/* e^x for x <= 0 (a softmax after its maximum is taken off), to ~2e-7 relative: 2^(x log2 e)
+ * as 2^n times a degree-6 polynomial of 2^f, f in [0, 1). Inline and branch-free, so the
+ * loops over a layer's experts vectorize (libm's expf does not, without -ffast-math). */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504f;
+    t = t < -126.f ? -126.f : t;
+    float n = (float)(int)t;
+    n -= n > t;  /* floor */
+    const float f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const uint32_t bits = (uint32_t)((int)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One layer: o (2 * B * E) the heads' products, bucket-major (j * E + e). tile: 2 * B * E
+ * floats of scratch, the same layout; every loop over the layer's E experts is contiguous. */
+static void layer_estimates(int L, int E, int B, int F, int layer, const float *o,
+                            const float *x, const float *skip, const float *bias,
+                            const float *inv, const float *inv_shifted, float *tile,
+                            float *p0, float *S) {
+    const int N = L * E, J = 2 * B;
+    const size_t first = (size_t)layer * E;
+    const float Lf = (float)L;
+    for (int j = 0; j < J; j++) {
+        const float *oj = o + (size_t)j * E, *bj = bias + (size_t)j * N + first;
+        float *tj = tile + (size_t)j * E;
+        for (int e = 0; e < E; e++) tj[e] = oj[e] + bj[e];
+    }
+    for (int e = 0; e < E; e++) {  /* + x_k @ skip, over the J outputs at once */
+        float acc[2 * MAX_BUCKETS] = {0};
+        const float *xk = x + (first + e) * F;
+        for (int f = 0; f < F; f++) {
+            const float v = xk[f], *sf = skip + (size_t)f * J;
+            for (int j = 0; j < J; j++) acc[j] += v * sf[j];
+        }
+        for (int j = 0; j < J; j++) tile[(size_t)j * E + e] += acc[j];
+    }
+    for (int head = 0; head < 2; head++) {  /* softmax over the buckets, then E[1 / dist] */
+        float *g = tile + (size_t)head * B * E;
+        for (int e = 0; e < E; e++) {
+            float top = g[e], sum = 0.f;
+            for (int b = 1; b < B; b++) top = g[(size_t)b * E + e] > top ? g[(size_t)b * E + e] : top;
+            for (int b = 0; b < B; b++) {
+                const float v = exp_nonpositive(g[(size_t)b * E + e] - top);
+                g[(size_t)b * E + e] = v;
+                sum += v;
+            }
+            const float norm = 1.f / sum;
+            float mean_inv = 0.f, tail = 0.f, tail_inv = 0.f;
+            for (int b = 0; b < B; b++) {
+                const float p = g[(size_t)b * E + e] * norm;
+                mean_inv += p * inv[b];
+                tail += b ? p : 0.f;
+                tail_inv += p * inv_shifted[b];  /* inv_shifted[0] = 0 */
+            }
+            const size_t key = first + e;
+            if (head == 0) {
+                p0[key] = g[e] * norm;
+                S[key] = Lf / mean_inv - Lf;
+                tail_inv /= tail > 1e-9f ? tail : 1e-9f;
+                S[(size_t)N + key] = Lf / tail_inv - Lf;
+            } else {
+                S[2 * (size_t)N + key] = Lf / mean_inv - Lf;
+            }
+        }
+    }
+}
+
+/* bf16: 0 for float32 heads, 1 for bfloat16 ones. work: 4 * B * E floats of scratch.
+ * Returns 0, or -1 when B exceeds MAX_BUCKETS. */
+int fm_infer(int L, int E, int D, int F, int B, int bf16, const float *h, const float *x,
+             const float *skip, const float *bias, const void *head, const float *inv,
+             const float *inv_shifted, float *work, float *p0, float *S) {
+    if (B < 2 || B > MAX_BUCKETS)
+        return -1;
+    const int O = 2 * B * E;
+    float *tile = work + O;
+    for (int l = 0; l < L; l++) {
+        memset(work, 0, sizeof(float) * (size_t)O);
+        for (int k = 0; k < D; k++) {
+            const float a = h[(size_t)l * D + k];
+            const size_t row = ((size_t)l * D + k) * O;
+            if (bf16)
+                axpy_bf16(work, a, (const uint16_t *)head + row, O);
+            else
+                axpy_f32(work, a, (const float *)head + row, O);
+        }
+        layer_estimates(L, E, B, F, l, work, x, skip, bias, inv, inv_shifted, tile, p0, S);
+    }
+    return 0;
+}
