@@ -370,22 +370,26 @@ def cmd_learning_report(args) -> int:
     learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k, config)
     if args.warmup:
         learning.load(args.warmup)
-    int8 = learning_report.int8_report(learning)
+    precision = learning_report.precision_report(learning)
     hit_rates = {}
-    for flag in (False, True):
+    variants = {f"heads_{p}": {"infer_precision": p} for p in ("fp32", "bf16", "int8")}
+    if config.predictor.model == "lstm":
+        variants["torch_int8_lstm"] = {"int8": True}
+    for name, change in variants.items():
         variant = dataclasses.replace(config, predictor=dataclasses.replace(config.predictor,
-                                                                            int8=flag))
+                                                                            **change))
         report = simulator.run_bench(trace, "global", args.capacity, ["flashmoe"],
                                      DEVICES["orin-980pro"], MODEL_SHAPES[trace.model],
                                      progress=False, config=variant, warmup=args.warmup)
-        hit_rates["int8" if flag else "fp32"] = {
+        hit_rates[name] = {
             r["capacity"]: {"hit_rate": r["hit_rate"], "cpu_ms_per_token": r["cpu_ms_per_token"]}
             for r in report["results"]}
     doc = {"trace": trace.name, "warmup": Path(args.warmup).name if args.warmup else None,
-           "recall_at_k": recall, "int8": {**int8, "bench": hit_rates}}
+           "model": config.predictor.model, "recall_at_k": recall,
+           "precision": {**precision, "bench": hit_rates}}
     for name, entry in recall.items():
         print(f"recall@{trace.top_k} {name}: {entry['mean']:.3f}")
-    print(json.dumps(doc["int8"], indent=1))
+    print(json.dumps(doc["precision"], indent=1))
     _save(args, doc)
     return 0
 
@@ -761,7 +765,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_task_shift)
 
     p = sub.add_parser("learning-report", help="recall of the predictions against baselines; "
-                                               "INT8 against FP32")
+                                               "the inference precisions (fp32, bf16, int8)")
     p.add_argument("--trace", default="gptoss20b:eval")
     p.add_argument("--warmup-trace", default="gptoss20b:train",
                    help="the split the static hot list comes from")

@@ -204,32 +204,45 @@ def recall_report(warmup_trace: Trace, trace: Trace, config: FlashMoEConfig,
     return out
 
 
-def int8_report(learning: Learning, steps: int = 200) -> dict:
-    """Size and inference time of the FP32 network and of its INT8 dynamic quantization
-    (which turns the LSTM's and any Linear's weight matrices into int8 with one scale each;
-    the per-layer heads, skip weights and biases stay FP32)."""
+def precision_report(learning: Learning, steps: int = 200) -> dict:
+    """Bytes and one-token inference time of the predictor at each inference precision: the
+    fused C inference with the per-layer heads in fp32, bf16 or int8 (one scale per output),
+    the numpy reference path, and for an LSTM, torch's INT8 dynamic quantization (its LSTM
+    weight matrices in int8, one scale each; the heads stay fp32)."""
     import torch
-    import torch.nn as nn
+
+    from services.predictor import fast_infer
 
     learner = learning.learner
-    fp32 = learner.net
-    quantized = sum(p.numel() for module in fp32.modules()
-                    if isinstance(module, (nn.LSTM, nn.Linear))
-                    for name, p in module.named_parameters() if "weight" in name)
-    total = sum(p.numel() for p in fp32.parameters())
-    learner.quantize()
-    int8 = learner.infer_net
-    learner.infer_net = fp32
-    z = torch.zeros(1, learner.L, learner.dims)
-    x = torch.zeros(1, learner.N, learner.features)
-    timings = {}
-    for name, net in (("fp32", fp32), ("int8", int8)):
+    net = learner.net
+    total = sum(p.numel() for p in net.parameters())
+    heads = net.head.numel()
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((learner.L, learner.dims)).astype(np.float32)
+    x = rng.random((learner.N, learner.features)).astype(np.float32)
+
+    def timed(call) -> float:
+        call()
+        started = time.perf_counter()
+        for _ in range(steps):
+            call()
+        return round((time.perf_counter() - started) / steps * 1e6, 1)
+
+    out = {"parameters": total, "head_parameters": heads,
+           "numpy_fp32": {"bytes": 4 * total, "infer_us": timed(lambda: net.step(z, x))}}
+    if fast_infer.load() is not None:
+        h, _ = net.recurrent_step(z)
+        for precision, width in (("fp32", 4), ("bf16", 2), ("int8", 1)):
+            fused = fast_infer.FusedInference(net, precision)
+            scales = 4 * fused.scale.size if fused.scale is not None else 0
+            out[f"fused_{precision}"] = {"bytes": 4 * (total - heads) + width * heads + scales,
+                                         "infer_us": timed(lambda: fused(h, x))}
+    if net.lstm is not None:
+        lstm = sum(p.numel() for name, p in net.lstm.named_parameters() if "weight" in name)
+        learner.quantize()
+        int8, learner.infer_net = learner.infer_net, net
+        zt, xt = torch.from_numpy(z)[None], torch.from_numpy(x)[None]
         with torch.no_grad():
-            net(z, x)
-            started = time.perf_counter()
-            for _ in range(steps):
-                net(z, x)
-        timings[name] = (time.perf_counter() - started) / steps * 1e6
-    return {"parameters": total, "int8_parameters": quantized, "fp32_bytes": 4 * total,
-            "int8_bytes": 4 * (total - quantized) + quantized,
-            "fp32_infer_us": round(timings["fp32"], 1), "int8_infer_us": round(timings["int8"], 1)}
+            out["torch_int8_lstm"] = {"bytes": 4 * (total - lstm) + lstm,
+                                      "infer_us": timed(lambda: int8(zt, xt))}
+    return out

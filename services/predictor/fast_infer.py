@@ -1,10 +1,11 @@
 """The predictor's fused one-token inference in C (``csrc/fm_infer.c``), with the per-layer
-heads read as bfloat16 or float32.
+heads read as float32, bfloat16, or int8 with one scale per output (weight-only quantization:
+the inputs stay float32).
 
 Why: a live predictor handles one token and then sleeps until the next, so every token it
 starts with cold caches, and its inference time is then mostly the fetching of the heads
 (7.9 MB in float32 for gpt-oss-20b's 24 x 32 experts) and a dozen numpy and torch dispatches.
-One C call over bfloat16 heads reads half the bytes and dispatches once. The numpy path
+One C call over bfloat16 heads reads half the bytes (int8: a quarter) and dispatches once. The numpy path
 (``Net.step`` and ``estimates``) stays the reference and the fallback when the library is not
 built (no compiler): the stats say which one runs.
 """
@@ -24,8 +25,8 @@ from .model import BUCKETS, HEADS, INV, INV_SHIFTED
 CSRC_DIR = Path(__file__).parent / "csrc"
 SOURCE = CSRC_DIR / "fm_infer.c"
 LIBRARY = CSRC_DIR / "libfm_infer.so"
-ABI_VERSION = 2
-PRECISIONS = ("bf16", "fp32")
+ABI_VERSION = 3
+PRECISIONS = ("fp32", "bf16", "int8")  # the C code's FM_FP32, FM_BF16, FM_INT8
 
 _lib: ctypes.CDLL | None = None
 _why_not = ""
@@ -53,7 +54,7 @@ def load() -> ctypes.CDLL | None:
         _why_not = f"{LIBRARY.name} is stale (ABI mismatch; run `flashmoe build-helper --force`)"
         return None
     ptr, i = ctypes.c_void_p, ctypes.c_int
-    lib.fm_infer.argtypes = [i, i, i, i, i, i] + [ptr] * 10
+    lib.fm_infer.argtypes = [i, i, i, i, i, i] + [ptr] * 11
     lib.fm_infer.restype = i
     _lib = lib
     return lib
@@ -84,8 +85,15 @@ class FusedInference:
 
     def refresh(self) -> None:
         head = self.net.head.detach()
+        self.scale = None
         if self.precision == "bf16":  # round to nearest even, as torch converts
             self.head = head.to(torch.bfloat16).view(torch.int16).numpy().copy()
+        elif self.precision == "int8":  # symmetric, one scale per output over the D inputs
+            w = head.numpy()
+            scale = np.abs(w).max(1) / 127.0  # (L, O)
+            scale[scale == 0] = 1.0
+            self.head = np.rint(w / scale[:, None, :]).astype(np.int8)
+            self.scale = scale.astype(np.float32)
         else:
             self.head = head.numpy()  # a view: training updates it in place
         self.skip = self.net.skip.detach().numpy()
@@ -101,12 +109,13 @@ class FusedInference:
         p_used = np.empty(N, np.float32)
         p = ctypes.c_void_p
         rc = self.lib.fm_infer(self.L, self.E, self.D, F, BUCKETS,
-                               int(self.precision == "bf16"), p(h.ctypes.data),
+                               PRECISIONS.index(self.precision), p(h.ctypes.data),
                                p(x.ctypes.data), p(self.skip.ctypes.data),
                                p(self.bias.ctypes.data), p(self.head.ctypes.data),
+                               p(self.scale.ctypes.data if self.scale is not None else None),
                                p(self.inv.ctypes.data), p(self.inv_shifted.ctypes.data),
                                p(self.work.ctypes.data), p(p_used.ctypes.data),
                                p(S.ctypes.data))
         if rc != 0:
-            raise ValueError(f"fm_infer: {BUCKETS} buckets is more than it supports")
+            raise ValueError(f"fm_infer refused {BUCKETS} buckets at {self.precision}")
         return S, p_used

@@ -115,7 +115,7 @@ def _reference(net: Net, z: np.ndarray, x: np.ndarray, state=None):
 
 
 @pytest.mark.parametrize("core", ["lstm", "linear"])
-@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 3e-2)])
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-4), ("bf16", 3e-2), ("int8", 5e-2)])
 def test_the_fused_inference_equals_the_numpy_path(core, precision, rtol):
     from services.predictor import fast_infer
 
@@ -133,7 +133,7 @@ def test_the_fused_inference_equals_the_numpy_path(core, precision, rtol):
         S, p_used = fused(h, x)
         np.testing.assert_allclose(p_used, p_ref, rtol=rtol, atol=rtol * 0.1)
         np.testing.assert_allclose(S, S_ref, rtol=rtol, atol=rtol)
-    if precision == "bf16":  # a copy of the heads: off the float32 weights by their rounding
+    if precision != "fp32":  # a copy of the heads: off the float32 weights by their rounding
         assert not np.array_equal(S, S_ref)
 
 
@@ -182,3 +182,22 @@ def test_the_deferred_pca_covariance_is_the_running_update():
             np.testing.assert_allclose(pca.cov, cov, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(pca.state()["cov"], cov, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(pca.mean, mean, rtol=1e-12)
+
+
+@pytest.mark.parametrize("core", ["lstm", "linear"])
+def test_the_precision_report_sizes_each_inference_path(core):
+    from common.config import FlashMoEConfig
+    from flashmoe.learning import Learning
+    from flashmoe.learning_report import precision_report
+    from services.predictor import fast_infer
+
+    config = FlashMoEConfig()
+    config.predictor.model = core
+    learning = Learning.create(L, E, K, config)
+    report = precision_report(learning, steps=3)
+    assert report["numpy_fp32"]["bytes"] == 4 * report["parameters"]
+    if fast_infer.load() is not None:
+        sizes = [report[f"fused_{p}"]["bytes"] for p in ("fp32", "bf16", "int8")]
+        assert sizes[0] == report["numpy_fp32"]["bytes"] and sizes[0] > sizes[1] > sizes[2]
+    assert ("torch_int8_lstm" in report) == (core == "lstm")
+    assert all(v["infer_us"] > 0 for v in report.values() if isinstance(v, dict))

@@ -1,12 +1,13 @@
 /* The predictor's one-token inference, fused: per-layer heads, skip weights and per-key bias,
  * the two heads' softmax over the distance buckets, and the three eviction estimates
  * (services/predictor/model.py: Net.step, then estimates()). One call instead of a dozen
- * numpy and torch dispatches, and the heads (the bulk of the weights) read as bfloat16: a live
- * predictor wakes once a token with cold caches, and then its time goes to fetching those
- * weights from memory. The numpy path in model.py is the reference; tests/unit/test_learner.py
+ * numpy and torch dispatches, and the heads (the bulk of the weights) read as bfloat16 or int8
+ * (per-output scales): a live predictor wakes once a token with cold caches, and then its
+ * time goes to fetching those weights from memory. The numpy path in model.py is the reference; tests/unit/test_learner.py
  * checks this against it.
  *
  *   o_l        = h_l @ head_l                         h (L, D), head (L, D, 2 * B * E)
+ *                (int8: (h_l @ q_l) * scale_l,       scale (L, 2 * B * E))
  *   logit[k,j] = o_l[j * E + e] + bias[j, k] + x_k @ skip[:, j]   k = l * E + e, j < 2 * B
  *   P          = softmax over the B buckets of each head (A: j < B, B: j >= B)
  *   S[0]       = L / sum_b P_A[b] inv[b] - L
@@ -19,12 +20,15 @@
 #include <stdint.h>
 #include <string.h>
 
-#define FM_INFER_ABI 2
+#define FM_INFER_ABI 3
+#define FM_FP32 0
+#define FM_BF16 1
+#define FM_INT8 2
 #define MAX_BUCKETS 32
 
 int fm_infer_abi_version(void) { return FM_INFER_ABI; }
 
-/* work[0:O] += a * row[0:O], the row in float32 or bfloat16 (the high half of a float32).
+/* work[0:O] += a * row[0:O], the row in float32, bfloat16 (the high half of a float32) or int8.
  * Plain loops: the compiler vectorizes them for whatever it targets. */
 static void axpy_f32(float *work, float a, const float *row, int O) {
     for (int j = 0; j < O; j++) work[j] += a * row[j];
@@ -37,6 +41,10 @@ static void axpy_bf16(float *work, float a, const uint16_t *row, int O) {
         memcpy(&w, &bits, sizeof w);
         work[j] += a * w;
     }
+}
+
+static void axpy_i8(float *work, float a, const int8_t *row, int O) {
+    for (int j = 0; j < O; j++) work[j] += a * (float)row[j];
 }
 
 /* e^x for x <= 0 (a softmax after its maximum is taken off), to ~2e-7 relative: 2^(x log2 e)
@@ -115,12 +123,14 @@ static void layer_estimates(int L, int E, int B, int F, int layer, const float *
     }
 }
 
-/* bf16: 0 for float32 heads, 1 for bfloat16 ones. work: 4 * B * E floats of scratch.
- * Returns 0, or -1 when B exceeds MAX_BUCKETS. */
-int fm_infer(int L, int E, int D, int F, int B, int bf16, const float *h, const float *x,
-             const float *skip, const float *bias, const void *head, const float *inv,
-             const float *inv_shifted, float *work, float *p0, float *S) {
-    if (B < 2 || B > MAX_BUCKETS)
+/* precision: FM_FP32, FM_BF16 or FM_INT8 (then scale: the heads' per-output scales).
+ * work: 4 * B * E floats of scratch. Returns 0, or -1 for B beyond MAX_BUCKETS or an unknown
+ * precision. */
+int fm_infer(int L, int E, int D, int F, int B, int precision, const float *h, const float *x,
+             const float *skip, const float *bias, const void *head, const float *scale,
+             const float *inv, const float *inv_shifted, float *work, float *p0, float *S) {
+    if (B < 2 || B > MAX_BUCKETS || precision < FM_FP32 || precision > FM_INT8 ||
+        (precision == FM_INT8 && !scale))
         return -1;
     const int O = 2 * B * E;
     float *tile = work + O;
@@ -129,11 +139,15 @@ int fm_infer(int L, int E, int D, int F, int B, int bf16, const float *h, const 
         for (int k = 0; k < D; k++) {
             const float a = h[(size_t)l * D + k];
             const size_t row = ((size_t)l * D + k) * O;
-            if (bf16)
+            if (precision == FM_BF16)
                 axpy_bf16(work, a, (const uint16_t *)head + row, O);
+            else if (precision == FM_INT8)
+                axpy_i8(work, a, (const int8_t *)head + row, O);
             else
                 axpy_f32(work, a, (const float *)head + row, O);
         }
+        if (precision == FM_INT8)
+            for (int j = 0; j < O; j++) work[j] *= scale[(size_t)l * O + j];
         layer_estimates(L, E, B, F, l, work, x, skip, bias, inv, inv_shifted, tile, p0, S);
     }
     return 0;
