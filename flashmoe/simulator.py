@@ -294,7 +294,8 @@ def _core_job(policy: str, capacity: int) -> dict:
 
 def _hooks_for(policy: str, trace: Trace, config, options: dict):
     """The learning path (for a policy that takes estimates) and the inline prefetcher (with
-    ``--prefetch``), or (None, None)."""
+    ``--prefetch``, unless ``prefetch.inline`` is off, as in the cache manager), or (None,
+    None)."""
     from flashmoe.learning import Learning, LearningPath
     from services.cache_manager.policies import POLICIES
     from services.cache_manager.prefetcher import NextLayerPrefetcher, PrefetcherParams
@@ -305,7 +306,7 @@ def _hooks_for(policy: str, trace: Trace, config, options: dict):
         if options.get("warmup"):
             learning.load(options["warmup"])
     prefetcher = None
-    if options.get("prefetch") and not needs_future(policy):
+    if options.get("prefetch") and config.prefetch.inline and not needs_future(policy):
         prefetcher = NextLayerPrefetcher(trace.num_layers, trace.num_experts, trace.top_k,
                                          PrefetcherParams(threshold=config.prefetch.threshold))
     if learning is None and prefetcher is None:

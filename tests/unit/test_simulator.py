@@ -122,3 +122,20 @@ def test_core_mode_belady_is_the_bound_in_the_layer_scope_too():
     bound = int(replay("belady", 4, req).sum())
     assert 0.95 * bound <= hits["belady"] <= bound
     assert hits["belady"] > max(hits["lru"], hits["arc"])
+
+
+def test_prefetch_inline_off_leaves_only_the_look_ahead_in_the_bench_too():
+    """``prefetch.inline = false`` turns the inline prefetcher off in the bench as it does in
+    the cache manager: LRU then prefetches nothing."""
+    from common.config import FlashMoEConfig
+
+    issued = {}
+    for inline in (True, False):
+        config = FlashMoEConfig()
+        config.prefetch.inline = inline
+        config.prefetch.threshold = 0.05  # hint readily on a trace this short
+        report = run_bench(tiny_trace(), "global", [0.5], ["lru"], DEVICES["orin-980pro"],
+                           MODEL_SHAPES["olmoe-1b-7b"], jobs=1, progress=False, prefetch=True,
+                           config=config)
+        issued[inline] = report["results"][0]["prefetch_issued"]
+    assert issued[True] > 0 and issued[False] == 0
