@@ -203,7 +203,8 @@ class PredictorService(Service):
             out.update(cluster_stats(self.cluster.link, self.warm_start))
         if self.learner is not None:
             tokens = max(self.learner.t, 1)
-            out.update(model=self.learner.params.model, tokens=self.learner.t,
+            out.update(model=self.learner.params.model, inference=self.learner.inference,
+                       tokens=self.learner.t,
                        steps=self.learner.steps, drifts=len(self.learner.drifts),
 
                        **{f"cpu_ms_{k}": round(1e3 * v / tokens, 3)
