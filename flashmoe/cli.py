@@ -362,6 +362,7 @@ def cmd_learning_report(args) -> int:
     from flashmoe import learning_report, simulator
     from flashmoe.device_model import DEVICES, MODEL_SHAPES
     from flashmoe.learning import Learning
+    from services.predictor import fast_infer
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     config = _config(args)
@@ -372,7 +373,7 @@ def cmd_learning_report(args) -> int:
         learning.load(args.warmup)
     precision = learning_report.precision_report(learning)
     hit_rates = {}
-    variants = {f"heads_{p}": {"infer_precision": p} for p in ("fp32", "bf16", "int8")}
+    variants = {f"heads_{p}": {"infer_precision": p} for p in fast_infer.PRECISIONS}
     if config.predictor.model == "lstm":
         variants["torch_int8_lstm"] = {"int8": True}
     for name, change in variants.items():

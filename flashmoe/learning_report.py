@@ -232,10 +232,11 @@ def precision_report(learning: Learning, steps: int = 200) -> dict:
            "numpy_fp32": {"bytes": 4 * total, "infer_us": timed(lambda: net.step(z, x))}}
     if fast_infer.load() is not None:
         h, _ = net.recurrent_step(z)
-        for precision, width in (("fp32", 4), ("bf16", 2), ("int8", 1)):
+        for precision in fast_infer.PRECISIONS:
             fused = fast_infer.FusedInference(net, precision)
-            scales = 4 * fused.scale.size if fused.scale is not None else 0
-            out[f"fused_{precision}"] = {"bytes": 4 * (total - heads) + width * heads + scales,
+            heads_bytes = fused.head.nbytes + (
+                fused.scale.nbytes if fused.scale is not None else 0)
+            out[f"fused_{precision}"] = {"bytes": 4 * (total - heads) + heads_bytes,
                                          "infer_us": timed(lambda: fused(h, x))}
     if net.lstm is not None:
         lstm = sum(p.numel() for name, p in net.lstm.named_parameters() if "weight" in name)

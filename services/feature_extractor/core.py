@@ -256,14 +256,11 @@ class OnlinePCA:
 
     @property
     def cov(self) -> np.ndarray:
-        if self._pending:
+        if self._pending:  # (s only changes when a product is deferred)
             scaled = np.concatenate(self._pending)
             self._cov += scaled.T @ scaled
             self._cov *= self._shrink
             self._pending, self._shrink = [], 1.0
-        elif self._shrink != 1.0:
-            self._cov *= self._shrink
-            self._shrink = 1.0
         return self._cov
 
     @cov.setter

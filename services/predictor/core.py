@@ -60,7 +60,7 @@ class LearnerParams:
     elastic_tokens: int = 500
     elastic_lr: float = 3.0
     int8: bool = False
-    infer_precision: str = "bf16"  # the heads in the fused C inference: bf16 | fp32
+    infer_precision: str = "bf16"  # the heads in the fused C inference: fp32 | bf16 | int8
     seed: int = 0
 
     @classmethod
@@ -191,19 +191,18 @@ class Learner:
         if self.infer_net is self.net and self.fused is not None:
             h, self.state = self.net.recurrent_step(self.zbuf[i], self.state)
             S, self.last_p_used = self.fused(h, self.xbuf[i])
-            self.cpu_s["infer"] += time.thread_time() - started
-            return S
-        if self.infer_net is self.net:
-            logits, self.state = self.net.step(self.zbuf[i], self.xbuf[i], self.state)
-            logits = torch.from_numpy(logits)
-        else:  # the INT8 copy: its quantized LSTM runs as a module
-            logits, self.state = self.infer_net(torch.from_numpy(self.zbuf[i:i + 1]),
-                                                torch.from_numpy(self.xbuf[i:i + 1]),
-                                                self.state)
-            logits = logits[0]
-        P = torch.softmax(logits, 1).numpy()  # (HEADS, BUCKETS, N)
-        self.last_p_used = P[0, 0]
-        S = estimates(P, self.L)
+        else:
+            if self.infer_net is self.net:
+                logits, self.state = self.net.step(self.zbuf[i], self.xbuf[i], self.state)
+                logits = torch.from_numpy(logits)
+            else:  # the INT8 copy: its quantized LSTM runs as a module
+                logits, self.state = self.infer_net(torch.from_numpy(self.zbuf[i:i + 1]),
+                                                    torch.from_numpy(self.xbuf[i:i + 1]),
+                                                    self.state)
+                logits = logits[0]
+            P = torch.softmax(logits, 1).numpy()  # (HEADS, BUCKETS, N)
+            self.last_p_used = P[0, 0]
+            S = estimates(P, self.L)
         self.cpu_s["infer"] += time.thread_time() - started
         return S
 
@@ -279,12 +278,12 @@ class Learner:
         self.anchor = [p.detach().clone() for p in self.net.parameters()]
 
     def refresh_inference(self) -> None:
-        """The inference copies after the weights changed: the fused path's low-precision
-        heads, the INT8 network."""
-        if self.fused is not None:
-            self.fused.refresh()
+        """The inference copy after the weights changed: the INT8 network where that is what
+        runs (``int8``), else the fused path's low-precision heads."""
         if self.params.int8:
             self.quantize()
+        elif self.fused is not None:
+            self.fused.refresh()
 
     def quantize(self) -> None:
         self.infer_net = torch.ao.quantization.quantize_dynamic(

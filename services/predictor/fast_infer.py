@@ -5,9 +5,9 @@ the inputs stay float32).
 Why: a live predictor handles one token and then sleeps until the next, so every token it
 starts with cold caches, and its inference time is then mostly the fetching of the heads
 (7.9 MB in float32 for gpt-oss-20b's 24 x 32 experts) and a dozen numpy and torch dispatches.
-One C call over bfloat16 heads reads half the bytes (int8: a quarter) and dispatches once. The numpy path
-(``Net.step`` and ``estimates``) stays the reference and the fallback when the library is not
-built (no compiler): the stats say which one runs.
+One C call over bfloat16 heads reads half the bytes (int8: a quarter) and dispatches once.
+The numpy path (``Net.step`` and ``estimates``) stays the reference and the fallback when the
+library is not built (no compiler): the stats say which one runs.
 """
 
 from __future__ import annotations
@@ -81,9 +81,12 @@ class FusedInference:
         self.inv = np.ascontiguousarray(INV, np.float32)
         self.inv_shifted = np.concatenate([[0.0], INV_SHIFTED]).astype(np.float32)
         self.work = np.empty(2 * HEADS * BUCKETS * self.E, np.float32)
+        self.skip = net.skip.detach().numpy()  # views: training updates them in place
+        self.bias = net.bias.detach().numpy()
         self.refresh()
 
     def refresh(self) -> None:
+        """The heads' copy in this precision, from the network's weights now."""
         head = self.net.head.detach()
         self.scale = None
         if self.precision == "bf16":  # round to nearest even, as torch converts
@@ -96,8 +99,6 @@ class FusedInference:
             self.scale = scale.astype(np.float32)
         else:
             self.head = head.numpy()  # a view: training updates it in place
-        self.skip = self.net.skip.detach().numpy()
-        self.bias = self.net.bias.detach().numpy()
 
     def __call__(self, h: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """h (L, D) float32 (the layer vectors, or the LSTM's output), x (N, F) float32 ->
