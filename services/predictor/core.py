@@ -60,7 +60,7 @@ class LearnerParams:
     elastic_tokens: int = 500
     elastic_lr: float = 3.0
     int8: bool = False
-    infer_precision: str = "bf16"  # the heads in the fused C inference: fp32 | bf16 | int8
+    infer_precision: str = "int8"  # the heads in the fused C inference: fp32 | bf16 | int8
     seed: int = 0
 
     @classmethod

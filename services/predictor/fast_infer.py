@@ -68,7 +68,7 @@ class FusedInference:
     """The C call for one network: its heads in ``precision`` (a copy, made again by
     ``refresh()`` after every training step), its skip weights and bias as views."""
 
-    def __init__(self, net, precision: str = "bf16") -> None:
+    def __init__(self, net, precision: str = "int8") -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"inference precision must be one of {PRECISIONS}, got "
                              f"{precision!r}")

@@ -169,7 +169,7 @@ def test_a_killed_predictor_means_lru_then_a_resumed_predictor(setup, tmp_path):
         assert resumed["resumed_from"] == str(tmp_path / "predictor-ckpt")
         from services.predictor import fast_infer  # the stats name the inference path
         assert resumed["inference"].startswith(
-            "fused C, bf16 heads" if fast_infer.load() is not None else "numpy")
+            "fused C, int8 heads" if fast_infer.load() is not None else "numpy")
         wait_for(cache, lambda s: s["estimate"] == "fresh", what="predictions again")
         _, err = worker.communicate(timeout=600)
         assert worker.returncode == 0, err

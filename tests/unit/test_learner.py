@@ -144,7 +144,7 @@ def test_the_fused_inference_follows_the_weights_after_a_training_step():
     if fast_infer.load() is None:
         pytest.skip(fast_infer.why_not())
     learner = Learner(L, E, DIMS, FEATURES, LearnerParams(train_every=4, window=4))
-    assert learner.inference == "fused C, bf16 heads"
+    assert learner.inference == "fused C, int8 heads"  # the default
     rng = np.random.default_rng(3)
     for _ in range(8):  # two training steps
         z = rng.standard_normal((L, DIMS)).astype(np.float32)
@@ -154,14 +154,14 @@ def test_the_fused_inference_follows_the_weights_after_a_training_step():
     assert learner.steps == 2
     S = learner.predict(x, z)
     S_ref, p_ref, _ = _reference(learner.net, z, x)
-    np.testing.assert_allclose(S, S_ref, rtol=3e-2, atol=3e-2)
-    np.testing.assert_allclose(learner.last_p_used, p_ref, rtol=3e-2, atol=3e-3)
+    np.testing.assert_allclose(S, S_ref, rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(learner.last_p_used, p_ref, rtol=5e-2, atol=5e-3)
     with torch.no_grad():  # weights changed outside a training step: the copy is stale
         learner.net.head.mul_(-1.0)
     S_new, _, _ = _reference(learner.net, z, x)
-    assert not np.allclose(learner.fused(z, x)[0], S_new, rtol=3e-2, atol=3e-2)
+    assert not np.allclose(learner.fused(z, x)[0], S_new, rtol=5e-2, atol=5e-2)
     learner.refresh_inference()
-    np.testing.assert_allclose(learner.fused(z, x)[0], S_new, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(learner.fused(z, x)[0], S_new, rtol=5e-2, atol=5e-2)
 
 
 def test_the_deferred_pca_covariance_is_the_running_update():
@@ -194,10 +194,11 @@ def test_the_precision_report_sizes_each_inference_path(core):
     config = FlashMoEConfig()
     config.predictor.model = core
     learning = Learning.create(L, E, K, config)
-    report = precision_report(learning, steps=3)
+    report = precision_report(learning, steps=3, cold_calls=2)
     assert report["numpy_fp32"]["bytes"] == 4 * report["parameters"]
     if fast_infer.load() is not None:
         sizes = [report[f"fused_{p}"]["bytes"] for p in ("fp32", "bf16", "int8")]
         assert sizes[0] == report["numpy_fp32"]["bytes"] and sizes[0] > sizes[1] > sizes[2]
     assert ("torch_int8_lstm" in report) == (core == "lstm")
-    assert all(v["infer_us"] > 0 for v in report.values() if isinstance(v, dict))
+    assert all(v["infer_us"] > 0 and v["infer_us_cold"] > 0
+               for v in report.values() if isinstance(v, dict))
