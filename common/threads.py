@@ -16,7 +16,7 @@ for the next step it pays none and takes 17 ms.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 
 LEARNING_THREADS = 1
 
@@ -42,15 +42,22 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: blocks below it come from th
 TRIM_THRESHOLD_BYTES = 256 << 20  # free memory at the heap's top kept up to this
 
 
+@functools.cache  # once a process: a setting of its C library
 def keep_heap() -> bool:
     """Keep freed memory in this process's heap for reuse instead of handing it back to the
     kernel (see the module's docstring). True where it took effect; False where the C library
     is not glibc (it has no mallopt), which changes only the speed."""
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
         bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def prepare_learning_path() -> None:
+    """What every process (or in-process replay) that runs the learning path sets first: one
+    thread, and a heap that keeps its freed memory."""
+    limit_threads()
+    keep_heap()

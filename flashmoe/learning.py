@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import FlashMoEConfig
-from common.threads import keep_heap, limit_threads
+from common.threads import prepare_learning_path
 from common.traces import TokenStream, Trace
 from flashmoe.errors import CheckpointError
 from flashmoe.simulator import SIM_WORKER, ReplayHooks
@@ -47,8 +47,7 @@ class Learning:
     @classmethod
     def create(cls, num_layers: int, num_experts: int, top_k: int,
                config: FlashMoEConfig) -> "Learning":
-        limit_threads()  # the learning path runs on one thread (common/threads.py)
-        keep_heap()  # and keeps its freed memory for the next training step
+        prepare_learning_path()  # one thread, a kept heap (common/threads.py)
         extractor = ExtractorCore(num_layers, num_experts, top_k,
                                   config.features.pca_components)
         learner = Learner(num_layers, num_experts, extractor.pca.out_dim, len(FEATURES),

@@ -28,7 +28,7 @@ from common.config import FlashMoEConfig
 from common.protocol import AccessEvent, FeatureBatch, LearningMessage
 from common.service import Service, run_service_process
 from common.store import ExpertStore
-from common.threads import keep_heap, limit_threads
+from common.threads import prepare_learning_path
 
 from .core import FEATURES, ExtractorCore, load_checkpoint
 
@@ -127,7 +127,6 @@ class FeatureExtractorService(Service):
 
 def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], publish: str,
                                   control_endpoint: str, warmup: str | None = None) -> int:
-    limit_threads()  # see common/threads.py
-    keep_heap()
+    prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: FeatureExtractorService(config, events, publish,
                                                                control_endpoint, warmup))

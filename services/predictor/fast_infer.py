@@ -5,7 +5,8 @@ the inputs stay float32).
 Why: a live predictor handles one token and then sleeps until the next, so every token it
 starts with cold caches, and its inference time is then mostly the fetching of the heads
 (7.9 MB in float32 for gpt-oss-20b's 24 x 32 experts) and a dozen numpy and torch dispatches.
-One C call over bfloat16 heads reads half the bytes (int8: a quarter) and dispatches once.
+One C call over int8 heads (the default) reads a quarter of the bytes (bf16: half) and
+dispatches once.
 The numpy path (``Net.step`` and ``estimates``) stays the reference and the fallback when the
 library is not built (no compiler): the stats say which one runs.
 """

@@ -32,7 +32,7 @@ from common.config import FlashMoEConfig
 from common.protocol import FeatureBatch, LearningMessage, Prediction
 from common.service import Service, run_service_process
 from common.store import ExpertStore
-from common.threads import keep_heap, limit_threads
+from common.threads import prepare_learning_path
 
 from .core import Learner, LearnerParams, next_token_recall
 
@@ -217,8 +217,7 @@ class PredictorService(Service):
 def run_predictor_process(config: FlashMoEConfig, features: list[str], publish: str,
                           control_endpoint: str, checkpoint_dir: str,
                           warmup: str | None = None) -> int:
-    limit_threads()  # see common/threads.py
-    keep_heap()
+    prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: PredictorService(config, features, publish,
                                                         control_endpoint, checkpoint_dir,
                                                         warmup))

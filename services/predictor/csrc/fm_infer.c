@@ -39,16 +39,26 @@ int fm_infer_abi_version(void) { return FM_INFER_ABI; }
  * same prefetch made the hot call slower, so it is left out there). */
 #define PREFETCH_ROWS 4
 
+/* One layer's products: rows (D rows of O weights, in the precision's type), with ``left``
+ * weights from rows to the end of all the heads (what the prefetch may ask for). */
+typedef void (*layer_products)(float *work, const float *h, const void *rows, size_t left,
+                               int D, int O);
+
+/* The three kernels of one build variant, and their table indexed by FM_FP32/BF16/INT8. */
 #define LAYER_PRODUCTS(SUFFIX, ATTR)                                                          \
-    ATTR static void products_f32##SUFFIX(float *work, const float *h, const float *rows,     \
-                                          int D, int O) {                                     \
+    ATTR static void products_f32##SUFFIX(float *work, const float *h, const void *rows_,     \
+                                          size_t left, int D, int O) {                        \
+        const float *rows = rows_;                                                            \
+        (void)left;                                                                           \
         for (int k = 0; k < D; k++) {                                                         \
             const float a = h[k], *row = rows + (size_t)k * O;                                \
             for (int j = 0; j < O; j++) work[j] += a * row[j];                                \
         }                                                                                     \
     }                                                                                         \
-    ATTR static void products_bf16##SUFFIX(float *work, const float *h,                       \
-                                           const uint16_t *rows, int D, int O) {              \
+    ATTR static void products_bf16##SUFFIX(float *work, const float *h, const void *rows_,    \
+                                           size_t left, int D, int O) {                       \
+        const uint16_t *rows = rows_;                                                         \
+        (void)left;                                                                           \
         for (int k = 0; k < D; k++) {                                                         \
             const float a = h[k];                                                             \
             const uint16_t *row = rows + (size_t)k * O;                                       \
@@ -60,15 +70,22 @@ int fm_infer_abi_version(void) { return FM_INFER_ABI; }
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    ATTR static void products_i8##SUFFIX(float *work, const float *h, const int8_t *rows,     \
-                                         const int8_t *end, int D, int O) {                   \
+    ATTR static void products_i8##SUFFIX(float *work, const float *h, const void *rows_,      \
+                                         size_t left, int D, int O) {                         \
+        const int8_t *rows = rows_;                                                           \
         for (int k = 0; k < D; k++) {                                                         \
             const float a = h[k];                                                             \
-            const int8_t *row = rows + (size_t)k * O, *ahead = row + PREFETCH_ROWS * (size_t)O; \
-            for (int j = 0; j < O && ahead + j < end; j += 64) __builtin_prefetch(ahead + j, 0, 0); \
+            const int8_t *row = rows + (size_t)k * O;                                         \
+            if ((size_t)(k + PREFETCH_ROWS + 1) * O <= left) /* the row ahead exists */       \
+                for (int j = 0; j < O; j += 64)                                               \
+                    __builtin_prefetch(row + (size_t)PREFETCH_ROWS * O + j, 0, 0);            \
             for (int j = 0; j < O; j++) work[j] += a * (float)row[j];                         \
         }                                                                                     \
-    }
+    }                                                                                         \
+    static const layer_products PRODUCTS##SUFFIX[3] = {                                       \
+        products_f32##SUFFIX, products_bf16##SUFFIX, products_i8##SUFFIX};
+
+static const size_t WEIGHT_BYTES[3] = {4, 2, 1};  /* by precision */
 
 LAYER_PRODUCTS(, )
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -163,36 +180,21 @@ int fm_infer(int L, int E, int D, int F, int B, int precision, const float *h, c
         return -1;
     const int O = 2 * B * E;
     float *tile = work + O;
-    int avx2 = 0;
+    const layer_products *products = PRODUCTS;
 #ifdef HAVE_AVX2_VARIANT
     __builtin_cpu_init();
-    avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        products = PRODUCTS_avx2;
 #endif
-    const int8_t *i8_end = (const int8_t *)head + (size_t)L * D * O;
+    const size_t total = (size_t)L * D * O;
     for (int l = 0; l < L; l++) {
         memset(work, 0, sizeof(float) * (size_t)O);
-        const float *hl = h + (size_t)l * D;
         const size_t first = (size_t)l * D * O;
-        if (precision == FM_BF16) {
-            const uint16_t *rows = (const uint16_t *)head + first;
-#ifdef HAVE_AVX2_VARIANT
-            if (avx2) products_bf16_avx2(work, hl, rows, D, O); else
-#endif
-            products_bf16(work, hl, rows, D, O);
-        } else if (precision == FM_INT8) {
-            const int8_t *rows = (const int8_t *)head + first;
-#ifdef HAVE_AVX2_VARIANT
-            if (avx2) products_i8_avx2(work, hl, rows, i8_end, D, O); else
-#endif
-            products_i8(work, hl, rows, i8_end, D, O);
+        products[precision](work, h + (size_t)l * D,
+                            (const char *)head + first * WEIGHT_BYTES[precision], total - first,
+                            D, O);
+        if (precision == FM_INT8)
             for (int j = 0; j < O; j++) work[j] *= scale[(size_t)l * O + j];
-        } else {
-            const float *rows = (const float *)head + first;
-#ifdef HAVE_AVX2_VARIANT
-            if (avx2) products_f32_avx2(work, hl, rows, D, O); else
-#endif
-            products_f32(work, hl, rows, D, O);
-        }
         layer_estimates(L, E, B, F, l, work, x, skip, bias, inv, inv_shifted, tile, p0, S);
     }
     return 0;
