@@ -58,6 +58,9 @@ class CacheClient:
         self.connected = False
         self.decoder = Decoder(CacheToWorker, max_bytes=HARD_MAX_MESSAGE_BYTES)
         self.seq = 0
+        # The decode step being served, as the seq of the AccessEvent this worker publishes
+        # for it (-1: none); the worker sets it before each step's acquires.
+        self.step = -1
         self.broken: str | None = None
         self.arena: Arena | None = None
         try:
@@ -148,9 +151,10 @@ class CacheClient:
                 ) -> list[int]:
         """Slots holding the layer's experts, pinned until this layer is released (or
         acquired again); ``release_layers`` are dropped first, in the same message.
-        ``token``: the decode step's input token, context for the manager's prefetcher."""
+        ``token``: the decode step's input token, context for the manager's prefetcher; the
+        request also carries ``self.step`` (the worker sets it: ``AcquireReq.step``)."""
         self.seq = seq = self.seq + 1
-        return self._request(AcquireReq(seq, layer, experts, release_layers, token),
+        return self._request(AcquireReq(seq, layer, experts, release_layers, token, self.step),
                              AcquireRep, seq).slots
 
     def acquire_tensors(self, layer: int, experts: list[int], release_layers=(),

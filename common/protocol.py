@@ -27,7 +27,8 @@ import msgspec
 #    config digests in Hello/Ready, the control socket's Health messages.
 # 3: the learning path's AccessEvent, FeatureBatch, Prediction; AcquireReq.token.
 # 4: the control socket's ConfigReq/Rep, TuneReq/Rep and ResidencyReq/Rep (the control panel).
-SCHEMA_VERSION = 4
+# 5: AcquireReq.step (which decode step a request serves, in AccessEvent seq numbers).
+SCHEMA_VERSION = 5
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
@@ -65,6 +66,10 @@ class AcquireReq(Message):
     # Pins are per (worker, layer): acquiring a layer again replaces that layer's pins.
     release_layers: LayerIds = []
     token: ShortText = ""  # the decode step's input token (context for the prefetcher)
+    # The decode step this request serves: the seq of the AccessEvent this worker publishes
+    # for it (-1: it publishes none). A Prediction's event_seq + 1 is the step it is for, so
+    # the cache manager can tell an estimate of a step already past from the current one's.
+    step: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
 
 class AcquireRep(Message):

@@ -112,14 +112,17 @@ class LearningPath(ReplayHooks):
     for token t + 1 is ready when token t ends plus the CPU time the extractor and the
     predictor spent on it (measured) and the bus hops (``HOP_MS``); the predictor publishes a
     new estimate when at least ``publish_interval_ms`` passed since its last one, and the
-    cache manager uses the latest. ``stale_tokens`` hands out the estimate made that many
-    tokens earlier (the prediction-age study). With ``prefetcher`` (the inline one) and
-    ``learned`` (the look-ahead prefetch's count and margin) it hints after each request as
-    the cache manager does."""
+    cache manager uses the latest, knowing which token it is for (the token's index is the
+    step, as a live worker's AccessEvent seq is: a token's first layers run before its
+    estimate arrives, on the one before, which the policy then reads as a past token's).
+    ``stale_tokens`` hands out the estimate made that many tokens earlier (the prediction-age
+    study). With ``prefetcher`` (the inline one) and ``learned`` (the look-ahead prefetch's
+    count, margin, ratio and skip) it hints after each request as the cache manager does."""
 
     def __init__(self, trace: Trace, learning: Learning | None, publish_interval_ms: float,
                  stale_tokens: int = 0, prefetcher=None,
-                 learned: tuple[int, float] | None = None) -> None:
+                 learned: tuple[int, float, float, int] | None = None,
+                 inline_with_learned: bool = False) -> None:
         self.trace, self.learning = trace, learning
         self.stream = TokenStream.of(trace)
         self.interval = publish_interval_ms
@@ -128,7 +131,8 @@ class LearningPath(ReplayHooks):
         self.next_publish = 0.0
         self.published = 0
         self.prefetcher = prefetcher
-        self.learned = learned  # the look-ahead prefetch's (count, margin in tokens), or None: off
+        self.learned = learned  # the look-ahead prefetch's settings (core.learned_hints), or None
+        self.inline_with_learned = inline_with_learned
 
     def start(self, core: CacheManagerCore) -> None:
         self.made.clear()
@@ -147,14 +151,17 @@ class LearningPath(ReplayHooks):
         self.next_publish = now_ms + self.interval
         for _ in range(ready - self.stale - 1):
             self.made.popleft()
-        core.set_estimate(self.made.popleft()[1])
+        _, S, step = self.made.popleft()
+        core.set_estimate(S, step=step)
         self.published += 1
 
     def after_request(self, core: CacheManagerCore, now_ms: float, token: int, layer: int,
                       experts: list[int]) -> None:
         if self.prefetcher is not None:
+            hint = self.inline_with_learned or self.learned is None \
+                or not self.learned[0] or not core.look_ahead_ready()
             self.prefetcher.after_request(core, SIM_WORKER, layer, experts,
-                                          self.stream.input_token[token])
+                                          self.stream.input_token[token], hint=hint)
         if self.learned is not None:
             core.learned_hints(*self.learned)
 
@@ -165,7 +172,7 @@ class LearningPath(ReplayHooks):
         S = self.learning.on_token(self.stream, self.trace, token)
         if S is not None:
             cpu_ms = 1e3 * (sum(self.learning.cpu_s.values()) - cpu_before)
-            self.made.append((now_ms + cpu_ms + HOP_MS, S))
+            self.made.append((now_ms + cpu_ms + HOP_MS, S, token + 1))  # ready, S, its step
         else:
             self.made.clear()  # a sequence ended: nothing to say about a token not yet known
 

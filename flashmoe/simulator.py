@@ -194,7 +194,7 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
             if hooked:
                 hooks.before_request(core, now, token, layer)
             before = stats["n_hit"]
-            _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release)
+            _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release, step=token)
             if loads and not heap:
                 # Nothing else in flight: this request's reads complete in issue order, and
                 # it waits for the last one.
@@ -311,10 +311,12 @@ def _hooks_for(policy: str, trace: Trace, config, options: dict):
                                          PrefetcherParams(threshold=config.prefetch.threshold))
     if learning is None and prefetcher is None:
         return None, None
-    learned = (config.prefetch.learned, config.prefetch.learned_margin) \
+    pf = config.prefetch
+    learned = (pf.learned, pf.learned_margin, pf.learned_ratio, pf.learned_skip) \
         if options.get("prefetch") and learning is not None else None
     return LearningPath(trace, learning, config.predictor.publish_interval_ms,
-                        options.get("stale_tokens", 0), prefetcher, learned), learning
+                        options.get("stale_tokens", 0), prefetcher, learned,
+                        pf.inline_with_learned), learning
 
 
 def capacity_for(fraction: float, trace: Trace, scope: str) -> int:

@@ -203,10 +203,12 @@ class CacheManagerCore:
     # --- requests -------------------------------------------------------------------------
 
     def acquire(self, worker: Worker, layer: int, experts: list[int],
-                release_layers: Iterable[int] = (), tag: Any = None
+                release_layers: Iterable[int] = (), tag: Any = None, step: int | None = None
                 ) -> tuple[list[int], list[Load], Waiter | None]:
         """Plan one request: (slot per expert in request order, loads the caller must start,
-        a Waiter when some expert is not resident yet, else None: answer now)."""
+        a Waiter when some expert is not resident yet, else None: answer now). ``step``: the
+        worker's decode step (``AcquireReq.step``), which tells a layer-aware policy how old
+        its estimate is (policies/scored.py)."""
         pins = self.pins
         for released in release_layers:
             keys = pins.pop((worker, released), None)
@@ -226,7 +228,7 @@ class CacheManagerCore:
                                     f"layer {layer} has no expert(s) {unknown}", unknown)
         policy = self.policies[None if self.scope == "global" else layer]
         if self._layer_aware:
-            policy.on_request(layer, experts)
+            policy.on_request(layer, experts, step)
         prefetched_unused = self.prefetched_unused
         slots: list[int] = []
         new_loads: list[Load] = []
@@ -324,12 +326,22 @@ class CacheManagerCore:
             pending.popitem(last=False)
             self.stats["prefetch_dropped"] += 1
 
-    def learned_hints(self, count: int, margin: float) -> int:
+    def look_ahead_ready(self) -> bool:
+        """Whether the learned look-ahead prefetch can run: a prefetch budget, global scope,
+        and a policy with a usable estimate (FlashMoE not in its LRU fallback)."""
+        policy = self.policies.get(None)
+        return bool(self.prefetch_budget) and self.scope == "global" \
+            and hasattr(policy, "wanted") and not policy.fallback
+
+    def learned_hints(self, count: int, margin: float = 0.0, ratio: float = 1.0,
+                      skip: int = 0) -> int:
         """FlashMoE's look-ahead prefetch: while no demand load is in flight (the disk would
         idle), hint up to ``count`` experts the policy's estimate wants sooner than the
-        residents they would evict (``FlashMoEPolicy.wanted``). Nothing without a prefetch
-        budget, while hints are pending, or in layer scope (a layer's own policy sees only
-        its layer's requests, not where the token is now). Returns the number hinted."""
+        residents they would evict (``FlashMoEPolicy.wanted``: ``margin`` tokens sooner, at
+        most 1/``ratio`` of the victim's expected next use, not in the next ``skip``
+        layers). Nothing without a prefetch budget, while hints are pending, or in layer
+        scope (a layer's own policy sees only its layer's requests, not where the token is
+        now). Returns the number hinted."""
         if count <= 0 or not self.prefetch_budget or self.pending_hints \
                 or len(self.loading) > self.prefetch_inflight or self.scope != "global":
             return 0
@@ -337,7 +349,7 @@ class CacheManagerCore:
         if wanted is None:
             return 0
         hinted = 0
-        for layer, expert in wanted(count, margin):
+        for layer, expert in wanted(count, margin, ratio, skip):
             self.hint(layer, [expert])
             hinted += 1
         self.stats["prefetch_learned"] += hinted
@@ -422,13 +434,15 @@ class CacheManagerCore:
 
     # --- estimates ----------------------------------------------------------------------------
 
-    def set_estimate(self, S, layers: list[int] | None = None) -> bool:
+    def set_estimate(self, S, layers: list[int] | None = None, step: int | None = None
+                     ) -> bool:
         """Hand a predictor's estimate (or None: none usable) to a policy that takes one;
-        False when the policy does not."""
+        False when the policy does not. ``step``: the decode step the estimate is for, in the
+        numbering of ``acquire``'s steps (None: not known)."""
         taken = False
         for policy in self.policies.values():
             if getattr(policy, "accepts_estimates", False):
-                policy.set_estimate(S, layers)
+                policy.set_estimate(S, layers, step)
                 taken = True
         return taken
 

@@ -62,11 +62,11 @@ class NextLayerPrefetcher:
     # --- the stream of served requests ------------------------------------------------------
 
     def after_request(self, core, worker, layer: int, experts: list[int], token: str = "",
-                      layer_ids: list[int] | None = None) -> list[int]:
+                      layer_ids: list[int] | None = None, hint: bool = True) -> list[int]:
         """A worker's request for MoE layer ``layer`` (its position among the MoE layers) was
-        served: learn, and hint the next layer to ``core`` (``core.hint`` with the layer's id,
-        ``layer_ids[position]`` when the MoE layers are not numbered 0..L-1). Returns the
-        experts hinted."""
+        served: learn, and (``hint``) hint the next layer to ``core`` (``core.hint`` with the
+        layer's id, ``layer_ids[position]`` when the MoE layers are not numbered 0..L-1).
+        Returns the experts hinted."""
         stream = self._streams.get(worker)
         if stream is None or layer <= stream["layer"]:
             if stream is not None and stream["layer"] == self.L - 1:
@@ -79,7 +79,9 @@ class NextLayerPrefetcher:
         if layer == self.L - 1:
             return []
         X = self._features(stream, layer + 1)
-        stream["X"][layer + 1] = X
+        stream["X"][layer + 1] = X  # (learned from at the token's end, hinted or not)
+        if not hint:
+            return []
         p = 1.0 / (1.0 + np.exp(-(X @ self.w + self.b[layer + 1])))
         order = np.argsort(-p)[:self.params.per_layer]
         hinted = [int(e) for e in order if p[e] >= self.params.threshold]

@@ -297,7 +297,9 @@ class CacheManager:
             log.warning("dropped a prediction of the wrong shape: %s", exc)
             return False
         self.counters["predictions"] += 1
-        return self.core.set_estimate(S.astype(np.float64), self.moe_layers)
+        # Made after the worker's step event_seq: it is for the step after it.
+        return self.core.set_estimate(S.astype(np.float64), self.moe_layers,
+                                      step=message.event_seq + 1)
 
     def serve_worker_message(self, identity: bytes) -> None:
         """One message per turn of the loop (its identity frame already received): a poll
@@ -479,7 +481,8 @@ class CacheManager:
                 counts[expert] += 1.0
         try:
             slots, loads, waiter = self.core.acquire(identity, msg.layer, msg.experts,
-                                                     msg.release_layers, tag=(identity, msg.seq))
+                                                     msg.release_layers, tag=(identity, msg.seq),
+                                                     step=msg.step if msg.step >= 0 else None)
         except AcquireFailed as exc:
             self.send(identity, AcquireError(msg.seq, msg.layer, exc.code, str(exc), exc.experts))
             return
@@ -490,8 +493,11 @@ class CacheManager:
         if self.prefetcher is not None:
             position = self.layer_position.get(msg.layer)
             if position is not None:
-                self.prefetcher.after_request(self.core, identity, position,
-                                              msg.experts, msg.token, self.moe_layers)
+                cfg = self.config.prefetch
+                hint = cfg.inline_with_learned or not cfg.learned \
+                    or not self.core.look_ahead_ready()
+                self.prefetcher.after_request(self.core, identity, position, msg.experts,
+                                              msg.token, self.moe_layers, hint=hint)
         self.prefetch_ahead()
 
     def handle_prefetch(self, identity: bytes, msg: PrefetchHint) -> None:
@@ -503,7 +509,8 @@ class CacheManager:
         """The learned look-ahead prefetch (while the disk has no demand read), then every
         pending hint that the budget and the free queue depth allow."""
         cfg = self.config.prefetch
-        self.core.learned_hints(cfg.learned, cfg.learned_margin)
+        self.core.learned_hints(cfg.learned, cfg.learned_margin, cfg.learned_ratio,
+                                cfg.learned_skip)
         self.issue_prefetches()
 
     def issue_prefetches(self) -> None:
@@ -566,7 +573,8 @@ class CacheManager:
                 if not check:
                     self.prefetcher = self._make_prefetcher(value)
             elif key not in ("predictor.max_age_ms", "prefetch.learned",
-                             "prefetch.learned_margin"):
+                             "prefetch.learned_margin", "prefetch.learned_ratio",
+                             "prefetch.learned_skip", "prefetch.inline_with_learned"):
                 continue
             applied.append(key)
         return applied, refused

@@ -152,6 +152,8 @@ def generate(store_path: str | Path, prompt: str, max_new_tokens: int, cache_end
             if on_token:
                 on_token(stream.push(token, last))
             while not last:
+                # The AccessEvent published below gets this seq: the acquires say so.
+                client.step = publisher.seq if publisher is not None else -1
                 step = runner.decode(token, token_text(tokenizer, token))
                 following = int(step.logits.argmax())
                 generated.append(following)

@@ -68,6 +68,7 @@ class TraceWorker:
         for offset, layer, experts, release in acquire_schedule(trace.experts[start:stop]):
             t = start + offset
             if layer == 0:
+                client.step = self.publisher.seq if self.publisher is not None else -1
                 self._pace()
                 if compute is not None:
                     hidden = compute.new_token(stream.input_token[t])

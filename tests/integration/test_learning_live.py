@@ -131,12 +131,12 @@ def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):
 def test_the_look_ahead_prefetch_loads_what_the_estimate_needs_while_the_disk_idles(
         setup, tmp_path):
     """With live estimates, FlashMoE's look-ahead prefetch (the inline one off) loads experts
-    between the worker's requests, and the worker uses some of them. A margin of one token:
-    at the default four, 80 tokens of this tiny model gave only 2-10 look-ahead loads, and in
-    some runs none of them used; at one, ~3,000 loads and ~900 used."""
+    between the worker's requests, and the worker uses some of them. A ratio of 2: after a
+    warm-up on three sequences the estimate is unsure, and at the default 6 these 80 tokens
+    gave 6 look-ahead loads (the simulator on the same slice too); at 2, ~1,000, ~380 used."""
     launcher, events = start_trio(setup, tmp_path, "cache.capacity_experts=96",
                                   "prefetch.inline=false", "prefetch.learned=2",
-                                  "prefetch.learned_margin=1")
+                                  "prefetch.learned_ratio=2")
     try:
         live = run_worker(launcher, setup, events, tokens=80)
     finally:

@@ -48,8 +48,14 @@ def test_control_replies_roundtrip():
 
 
 def test_wire_is_plain_msgpack_with_version():
-    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0], "the")))
-    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0], "the"]
+    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0], "the", 12)))
+    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0], "the", 12]
+
+
+def test_an_acquire_without_its_step_says_none():
+    """A request that leaves the step out (-1) says the worker publishes no events."""
+    frame = msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 3, 1, [4, 7], [0], "the"]])
+    assert Decoder(WorkerToCache).decode(frame).step == -1
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -58,6 +64,7 @@ def test_wire_is_plain_msgpack_with_version():
     (msgpack.packb({"not": "an envelope"}), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["Pickle", 1]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, -2, [1]]]), "malformed"),
+    (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [], "", -2]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, "x"]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["Ready", "a", 1, 1, "/s", "u", {}]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [-1]]]), "malformed"),

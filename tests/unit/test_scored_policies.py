@@ -148,6 +148,80 @@ def test_the_kept_variant_per_key_is_the_one_scores_selects(name):
     assert early > 0
 
 
+def test_the_kept_variant_follows_the_estimate_s_step():
+    """With step numbers, estimates for a past step, this step and the next one arrive in any
+    order: the kept variants still equal scores()' choice."""
+    rng = np.random.default_rng(5)
+    core = CacheManagerCore(KNOWN, n_slots=6, policy="flashmoe")
+    policy = core.policies[None]
+    lags = set()
+    for request in range(600):
+        step, layer = divmod(request, L)
+        if rng.random() < 0.3:
+            core.set_estimate(rng.random((3, L * E)) * 10, step=step + int(rng.integers(-3, 2)))
+        experts = rng.choice(E, size=2, replace=False).tolist()
+        _, loads, _ = core.acquire(W, layer, experts, release_layers=[(layer - 1) % L],
+                                   step=step)
+        for load in loads:
+            core.finish_load(load.key, ok=True)
+        lags.add(policy.lag())
+        assert np.allclose(policy.scores() - policy._d[policy.layer], policy._est)
+    assert {-1, 0, 1, 2, 3} <= lags
+
+
+def test_an_estimate_for_a_past_step_is_read_from_that_step_s_outcome():
+    """A token's first layers run before its estimate arrives: the estimate in hand is the
+    previous step's. For every expert it then takes the variant of that step's outcome (var
+    2: used then, var 1: not), whatever layer this token has reached; the estimate for this
+    step, once it comes, gives the unvisited layers var 0 again. Without step numbers the
+    policy takes any estimate as this token's."""
+    core = CacheManagerCore(KNOWN, n_slots=8, policy="flashmoe")
+    policy = core.policies[None]
+    S = np.stack([np.full(L * E, 10.0), np.full(L * E, 20.0), np.full(L * E, 30.0)])
+    for layer in range(L):  # step 0: expert 0 of every layer used
+        core.acquire(W, layer, [0], step=0)
+    core.set_estimate(S, step=0)  # (late: step 0 has run)
+    core.acquire(W, 0, [1], release_layers=[2], step=1)  # step 1 begins, no estimate for it
+    assert policy.lag() == 1
+    used_then, not_used = policy._index((2, 0)), policy._index((2, 1))
+    assert policy._est[used_then] == 30.0 and policy._est[not_used] == 20.0
+    core.acquire(W, 1, [1], release_layers=[0], step=1)  # visits leave them as they are
+    assert policy._est[policy._index((1, 0))] == 30.0
+    core.set_estimate(S, step=1)  # this step's own estimate
+    assert policy.lag() == 0
+    assert policy._est[used_then] == 10.0  # layer 2 not visited yet in step 1: var 0
+    assert policy._est[policy._index((1, 0))] == 20.0  # visited, not used in step 1: var 1
+    assert policy._est[policy._index((1, 1))] == 30.0  # used in step 1: var 2
+    core.set_estimate(S, step=2)  # the next step's, before it began: var 0 for all
+    assert policy.lag() == -1 and (policy._est == 10.0).all()
+    core.acquire(W, 0, [2], release_layers=[1], step=2)
+    assert policy.lag() == 0 and policy._est[used_then] == 10.0
+    core.set_estimate(S, step=900)  # numbering from another run: taken as this step's
+    assert policy.lag() == 0
+
+    plain = CacheManagerCore(KNOWN, n_slots=8, policy="flashmoe")
+    for layer in range(L):
+        plain.acquire(W, layer, [0])
+    plain.set_estimate(S)
+    plain.acquire(W, 0, [1], release_layers=[2])
+    assert plain.policies[None].lag() == 0
+    assert plain.policies[None]._est[used_then] == 10.0
+
+
+def test_a_step_number_tells_a_new_token_from_a_repeated_layer():
+    """With step numbers, acquiring a layer again within one step (a retry) stays in that
+    token; without them a layer at or before the last one starts a token."""
+    core = CacheManagerCore(KNOWN, n_slots=8, policy="flashmoe")
+    policy = core.policies[None]
+    core.acquire(W, 0, [0], step=4)
+    core.acquire(W, 0, [0], step=4)
+    assert policy.token == 0 and policy.step == 4
+    core.acquire(W, 0, [0], step=5)
+    assert policy.token == 1
+    core.acquire(W, 0, [0])
+    assert policy.token == 2 and policy.step is None
+
+
 def test_look_ahead_prefetch_takes_what_the_estimate_needs_sooner_than_its_victim():
     """FlashMoE's look-ahead prefetch hints a non-resident expert only when the estimate
     expects it sooner (by the margin) than the best victim, only while no demand load is in
@@ -177,6 +251,42 @@ def test_look_ahead_prefetch_takes_what_the_estimate_needs_sooner_than_its_victi
     assert loads and core.learned_hints(1, 3.0) == 0
     core.finish_load(loads[0].key, ok=True)
     assert core.stats["prefetch_learned"] == 1
+
+
+def test_look_ahead_prefetch_wants_a_fraction_of_the_victim_s_wait_and_skips_the_next_layers():
+    """The look-ahead's other two rules: the candidate's expected next use at most 1/ratio of
+    the victim's, and none of the next ``skip`` layers (their reads would land late)."""
+    core = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe", prefetch_budget=2)
+    policy = core.policies[None]
+    run_tokens(core, [[[0, 1], [0], [0]]])  # full: (0,0) (0,1) (1,0) (2,0)
+    S = np.full((3, L * E), 100.0)
+    S[:, 1 * E + 3] = S[:, 2 * E + 3] = 0.0  # (1,3) next layer, (2,3) the one after
+    policy.set_estimate(S)
+    core.acquire(W, 0, [0, 1], release_layers=[2])
+    # The best victim waits 100-odd layer steps; (2,3) one.
+    assert core.learned_hints(1, ratio=1000.0, skip=1) == 0
+    assert core.learned_hints(1, ratio=50.0, skip=2) == 0  # (2,3) is in the next two layers
+    assert core.learned_hints(2, ratio=50.0, skip=1) == 1
+    assert list(core.pending_hints) == [(2, 3)]
+    core.pending_hints.clear()
+    assert core.learned_hints(2, ratio=50.0, skip=0) == 2
+    assert list(core.pending_hints) == [(1, 3), (2, 3)]  # soonest needed first
+
+
+def test_the_inline_prefetcher_stands_down_while_the_look_ahead_can_run():
+    """``look_ahead_ready``: a budget, global scope, and a usable estimate (the callers then
+    keep the inline prefetcher's hints back unless ``prefetch.inline_with_learned``)."""
+    core = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe", prefetch_budget=2)
+    assert not core.look_ahead_ready()  # no estimate yet
+    core.set_estimate(np.zeros((3, L * E)))
+    assert core.look_ahead_ready()
+    core.set_estimate(None)  # fallback to LRU
+    assert not core.look_ahead_ready()
+    assert not CacheManagerCore(KNOWN, n_slots=4, policy="lru",
+                                prefetch_budget=2).look_ahead_ready()
+    core = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe")  # no prefetch budget
+    core.set_estimate(np.zeros((3, L * E)))
+    assert not core.look_ahead_ready()
 
 
 def test_look_ahead_prefetch_stays_off_in_layer_scope():

@@ -139,3 +139,29 @@ def test_prefetch_inline_off_leaves_only_the_look_ahead_in_the_bench_too():
                            config=config)
         issued[inline] = report["results"][0]["prefetch_issued"]
     assert issued[True] > 0 and issued[False] == 0
+
+
+def test_the_inline_prefetcher_hints_beside_the_look_ahead_only_when_told():
+    """In the bench as in the cache manager, the inline prefetcher keeps its hints back while
+    FlashMoE's look-ahead runs on a usable estimate (it learns on), unless
+    ``prefetch.inline_with_learned``; before the first estimate it hints as for any policy."""
+    from common.config import FlashMoEConfig
+    from flashmoe.simulator import _hooks_for, replay_core
+
+    plain = tiny_trace()
+    words = [{"generated_only": [f"w{i % 5}" for i in range(n + 1)]}
+             for n in np.diff(plain.offsets).tolist()]  # a next token: estimates are made
+    trace = Trace("tiny", plain.experts, plain.offsets, 8, "olmoe-1b-7b", sequences=words)
+    shape = MODEL_SHAPES["olmoe-1b-7b"]
+    hints = {}
+    for beside in (False, True):
+        config = FlashMoEConfig()
+        config.prefetch.threshold = 0.05  # hint readily on a trace this short
+        config.prefetch.inline_with_learned = beside
+        hooks, _ = _hooks_for("flashmoe", trace, config, {"prefetch": True})
+        replay_core("flashmoe", 12, trace, "global", DEVICES["orin-980pro"], shape.expert_bytes,
+                    0.5, hooks=hooks, prefetch_budget=config.prefetch.budget,
+                    prefetch_window=config.prefetch.window)
+        assert hooks.published > 0 and hooks.prefetcher.stats["tokens"] > 20
+        hints[beside] = hooks.prefetcher.stats["hints"]
+    assert 0 < hints[False] < hints[True]

@@ -48,9 +48,10 @@ class EvictionPolicy(ABC):
     def configure(self, layers: list[int], num_experts: int) -> None:
         """The key space, (layer, expert) pairs; the cache manager's core tells every policy."""
 
-    def on_request(self, layer: int, experts: list[int] = ()) -> None:
+    def on_request(self, layer: int, experts: list[int] = (), step: int | None = None) -> None:
         """A request for ``experts`` of ``layer`` begins (the core calls it for ``needs_core``
-        policies, before the request's keys)."""
+        policies, before the request's keys); ``step``: the worker's decode step it belongs
+        to, when the worker says (``AcquireReq.step``)."""
 
     @abstractmethod
     def __contains__(self, key: Key) -> bool:

@@ -42,9 +42,12 @@ class FlashMoEPolicy(ScoredPolicy):
         self.fallback = True  # no estimate yet
         self.estimates = 0  # estimates received
 
-    def set_estimate(self, S: np.ndarray | None, layers: list[int] | None = None) -> None:
+    def set_estimate(self, S: np.ndarray | None, layers: list[int] | None = None,
+                     step: int | None = None) -> None:
         """S (3, len(layers) * E): row block i belongs to layer ``layers[i]`` (default: the
-        policy's layers in order). None: no usable estimate, LRU until the next one."""
+        policy's layers in order); ``step``: the decode step it is for, in the numbering of
+        ``on_request``'s steps (None: not known; scored.py says what it changes). None: no
+        usable estimate, LRU until the next one."""
         self._ranked = None
         if S is None:
             self.fallback = True
@@ -56,23 +59,27 @@ class FlashMoEPolicy(ScoredPolicy):
                              f"{(3, len(layers) * E)}")
         for i, layer in enumerate(layers):
             self.S[:, layer * E:(layer + 1) * E] = S[:, i * E:(i + 1) * E]
+        self.estimate_step = step
         self._update_estimate()
         self.fallback = False
         self.estimates += 1
 
-    def wanted(self, count: int, margin: float) -> list[tuple[int, int]]:
+    def wanted(self, count: int, margin: float = 0.0, ratio: float = 1.0, skip: int = 0
+               ) -> list[tuple[int, int]]:
         """Look-ahead prefetch: up to ``count`` experts, neither resident nor loading, whose
-        score (expected next use, in layer steps from now) is lower by at least ``margin``
-        tokens than the best victim's, soonest needed first. None without a usable
-        estimate."""
+        score (expected next use, in layer steps from now) is at most 1/``ratio`` of the best
+        victim's and lower by at least ``margin`` tokens, soonest needed first; none of the
+        next ``skip`` layers (a read started now would still be in flight when they ask).
+        None without a usable estimate."""
         if self.fallback or self._len < self.capacity or count <= 0:
             return []
-        here = self._d[self.layer] + self._est
+        d = self._d[self.layer]
+        here = d + self._est
         victims = self._candidates()
         if not len(victims):
             return []
-        bar = here[victims].max() - margin * self.num_layers
-        outside = np.flatnonzero(~self.resident & (here < bar))
+        bar = here[victims].max() / ratio - margin * self.num_layers
+        outside = np.flatnonzero(~self.resident & (here < bar) & (d >= skip))
         if not len(outside):
             return []
         best = outside[np.argsort(here[outside], kind="stable")[:count]]

@@ -13,6 +13,16 @@ expert is needed, refreshed once per token (``refresh``). Three variants of S le
 serve the whole token: var 0 for an expert whose layer this token has not reached yet, var 1
 for one whose layer was visited and that was not used, var 2 for one used in this token.
 
+An estimate made elsewhere (the predictor's, ``flashmoe``) is for one decode step, and may
+reach the policy after that step began: the policy then knows which step it is for
+(``estimate_step``) and which one it serves (``on_request``'s ``step``). ``lag`` = served -
+estimated. At 0 the variants are as above. At 1 or more (a new token began before the
+estimate for it came) the estimate is of a token already past, whose outcome the policy saw:
+for an expert used in it or since, var 2 (the distance counted from the token after it), else
+var 1 (not used then: the distance from the token after it, given that). At -1 (the estimate
+for the next token came before that token began) every expert takes var 0 of it. Without step
+numbers (a worker that does not send them) the estimate is taken as the current token's.
+
 These policies follow the layer order through the cache manager's core (``on_request`` at the
 start of every acquire, ``configure`` with the key space); the per-request replay, which has
 neither, cannot run them (``needs_core``).
@@ -63,6 +73,8 @@ class ScoredPolicy(EvictionPolicy):
         self._early: list[int] = []  # keys used this token before their layer (prefetched)
         self.token = -1
         self.layer = -1
+        self.step: int | None = None  # the worker's step of the token served (None: not told)
+        self.estimate_step: int | None = None  # the step S is for (None: not told)
         self.clock = 0.0
         self._ranked: list[int] | None = None  # eviction order, best first, for this request
         self._requested: list[int] = []  # the experts of the request being served
@@ -71,36 +83,52 @@ class ScoredPolicy(EvictionPolicy):
         layer, expert = key
         return layer * self.num_experts + expert
 
-    def on_request(self, layer: int, experts: list[int] = ()) -> None:
-        """A request for ``experts`` of ``layer`` begins; a layer at or before the last one
-        starts a token. The request's own experts are needed now: none of them is a victim
-        while it is served (the core pins each as it comes to it; this covers the rest)."""
+    def on_request(self, layer: int, experts: list[int] = (), step: int | None = None) -> None:
+        """A request for ``experts`` of ``layer`` begins; a new ``step`` (or, without step
+        numbers, a layer at or before the last one) starts a token. The request's own experts
+        are needed now: none of them is a victim while it is served (the core pins each as it
+        comes to it; this covers the rest)."""
         if not self.num_experts:
             raise PolicyError(f"{self.name}: needs the cache manager's core (the layer order "
                               f"and the key space); the per-request replay cannot run it")
-        if layer <= self.layer or self.token < 0:
+        if (step != self.step if step is not None else layer <= self.layer) \
+                or self.token < 0:
             self.token += 1
+            self.step = step
             self.refresh()
-            self._est[:] = self.S[0]
             self._visited_end = 0
             self._early.clear()
+            self._update_estimate()
         self.layer = layer
         end = (layer + 1) * self.num_experts
         if end > self._visited_end:  # these layers are visited from now on: not used yet,
             start, self._visited_end = self._visited_end, end  # but for the early ones
-            self._est[start:end] = self.S[1][start:end]
-            for i in self._early:
-                if start <= i < end:
-                    self._est[i] = self.S[2][i]
+            if not self.lag():  # (a stale estimate's variants do not change with the visits)
+                self._est[start:end] = self.S[1][start:end]
+                for i in self._early:
+                    if start <= i < end:
+                        self._est[i] = self.S[2][i]
         self._requested = [layer * self.num_experts + e for e in experts]
         self._ranked = None
+
+    def lag(self) -> int:
+        """Steps by which the estimate is behind the token served (module docstring): 0 when
+        it is this token's or either step is unknown; -1 when it is the next token's."""
+        if self.step is None or self.estimate_step is None:
+            return 0
+        lag = self.step - self.estimate_step
+        return lag if lag >= -1 else 0  # further ahead: numbering from another run
 
     def refresh(self) -> None:
         """A new token began: update ``self.S`` (the policy's estimate)."""
 
     def _select(self, visited: np.ndarray) -> np.ndarray:
         """Each key's S variant, given which keys' layers were visited in this token."""
-        S = self.S
+        S, lag = self.S, self.lag()
+        if lag > 0:  # used in the estimate's token or since: var 2; else var 1
+            return np.where(self.used_token >= self.token - lag, S[2], S[1])
+        if lag < 0:
+            return S[0].copy()
         return np.where(visited, np.where(self.used_token == self.token, S[2], S[1]), S[0])
 
     def _update_estimate(self) -> None:
@@ -120,7 +148,8 @@ class ScoredPolicy(EvictionPolicy):
         self.last_use[i] = self.clock
         self.used_token[i] = self.token
         if i < self._visited_end:
-            self._est[i] = self.S[2][i]
+            if self.estimate_step is None or self.lag() >= 0:  # (-1: var 0 stays)
+                self._est[i] = self.S[2][i]
         else:
             self._early.append(i)
 
