@@ -46,6 +46,7 @@ from common.threads import limit_threads
 from .core import AcquireFailed, CacheManagerCore, Load, Waiter
 from .io_engine import IOEngineError, open_engine
 from .policies import PolicyError, needs_future
+from .policies.scored import VARIANTS
 from .prefetcher import NextLayerPrefetcher, PrefetcherParams
 
 log = logging.getLogger("flashmoe.cache_manager")
@@ -289,9 +290,9 @@ class CacheManager:
         L, E = len(self.moe_layers), self.store.manifest.num_experts
         try:
             S = np.frombuffer(message.scores, np.float32).reshape(message.variants, L * E)
-            if (message.layers, message.experts_per_layer, message.variants) != (L, E, 3):
+            if (message.layers, message.experts_per_layer, message.variants) != (L, E, VARIANTS):
                 raise ValueError(f"{message.layers} x {message.experts_per_layer} x "
-                                 f"{message.variants}, expected {L} x {E} x 3")
+                                 f"{message.variants}, expected {L} x {E} x {VARIANTS}")
         except ValueError as exc:
             self.counters["rejected_shape"] += 1
             log.warning("dropped a prediction of the wrong shape: %s", exc)

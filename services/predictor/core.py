@@ -1,8 +1,8 @@
 """The predictor's core: the online learner (no sockets, no clocks).
 
 Per token: ``predict(x, z)`` steps the network on the token's features and returns the
-eviction estimate S (3, N) for it; ``observe(keys)`` then records which experts that token
-used. Every ``train_every`` tokens it trains on the last ``window`` tokens (truncated
+eviction estimate S (VARIANTS, N) for it; ``observe(keys)`` then records which experts that
+token used. Every ``train_every`` tokens it trains on the last ``window`` tokens (truncated
 backpropagation through time from the LSTM state stored at the window's start); a label is the
 bucket of the distance to the expert's next use inside the window, or "beyond the window's end"
 (censored: every bucket past it is allowed).
@@ -184,7 +184,7 @@ class Learner:
 
     @torch.no_grad()
     def predict(self, x: np.ndarray, z: np.ndarray) -> np.ndarray:
-        """Features of the coming token: x (N, features), z (L, dims) -> S (3, N)."""
+        """Features of the coming token: x (N, features), z (L, dims) -> S (VARIANTS, N)."""
         started = time.thread_time()
         i = self.t % self.W
         self.zbuf[i], self.xbuf[i], self.states[i] = z, x, self.state

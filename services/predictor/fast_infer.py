@@ -21,12 +21,12 @@ import torch
 
 from common.cbuild import build_library
 
-from .model import BUCKETS, HEADS, INV, INV_SHIFTED
+from .model import BUCKETS, HEADS, INV, INV_SHIFTED, INV_SHIFTED2, VARIANTS
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 SOURCE = CSRC_DIR / "fm_infer.c"
 LIBRARY = CSRC_DIR / "libfm_infer.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 PRECISIONS = ("fp32", "bf16", "int8")  # the C code's FM_FP32, FM_BF16, FM_INT8
 
 _lib: ctypes.CDLL | None = None
@@ -55,7 +55,7 @@ def load() -> ctypes.CDLL | None:
         _why_not = f"{LIBRARY.name} is stale (ABI mismatch; run `flashmoe build-helper --force`)"
         return None
     ptr, i = ctypes.c_void_p, ctypes.c_int
-    lib.fm_infer.argtypes = [i, i, i, i, i, i] + [ptr] * 11
+    lib.fm_infer.argtypes = [i, i, i, i, i, i] + [ptr] * 12
     lib.fm_infer.restype = i
     _lib = lib
     return lib
@@ -81,6 +81,7 @@ class FusedInference:
         self.D = net.head.shape[1]
         self.inv = np.ascontiguousarray(INV, np.float32)
         self.inv_shifted = np.concatenate([[0.0], INV_SHIFTED]).astype(np.float32)
+        self.inv_shifted2 = np.concatenate([[0.0, 0.0], INV_SHIFTED2]).astype(np.float32)
         self.work = np.empty(2 * HEADS * BUCKETS * self.E, np.float32)
         self.skip = net.skip.detach().numpy()  # views: training updates them in place
         self.bias = net.bias.detach().numpy()
@@ -103,11 +104,12 @@ class FusedInference:
 
     def __call__(self, h: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """h (L, D) float32 (the layer vectors, or the LSTM's output), x (N, F) float32 ->
-        S (3, N), p_used (N,): the estimates and the chance each key is used next token."""
+        S (VARIANTS, N), p_used (N,): the estimates and the chance each key is used next
+        token."""
         h = np.ascontiguousarray(h, np.float32)
         x = np.ascontiguousarray(x, np.float32)
         N, F = x.shape
-        S = np.empty((3, N), np.float32)
+        S = np.empty((VARIANTS, N), np.float32)
         p_used = np.empty(N, np.float32)
         p = ctypes.c_void_p
         rc = self.lib.fm_infer(self.L, self.E, self.D, F, BUCKETS,
@@ -116,7 +118,8 @@ class FusedInference:
                                p(self.bias.ctypes.data), p(self.head.ctypes.data),
                                p(self.scale.ctypes.data if self.scale is not None else None),
                                p(self.inv.ctypes.data), p(self.inv_shifted.ctypes.data),
-                               p(self.work.ctypes.data), p(p_used.ctypes.data),
+                               p(self.inv_shifted2.ctypes.data), p(self.work.ctypes.data),
+                               p(p_used.ctypes.data),
                                p(S.ctypes.data))
         if rc != 0:
             raise ValueError(f"fm_infer refused {BUCKETS} buckets at {self.precision}")

@@ -12,9 +12,13 @@ from the next token for an expert used in this one. ``core="linear"`` drops the 
 the same inputs and heads, for the ablation.
 
 The estimate (policies/scored.py): S = L * (D - 1), D the harmonic mean of the distance
-(1 / E[1/dist] over the buckets' representative distances), in three variants: var 0 from
+(1 / E[1/dist] over the buckets' representative distances), in five variants: var 0 from
 head A; var 1, an expert whose layer this token visited without using it: head A given
-distance >= 2, shifted by one token; var 2, an expert used in this token: head B.
+distance >= 2, shifted by one token; var 2, an expert used in this token: head B. Two more
+serve a policy whose estimate is one token old (the next token began before the estimate for
+it arrived), for an expert whose layer the next token visited without using it: var 3, used
+in this token: head B given distance >= 2, shifted by one; var 4, not used in it: head A
+given distance >= 3, shifted by two.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ EDGES = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256], np.int64)  # bucket b: (EDG
 BUCKETS = len(EDGES) + 1
 REPS = np.array([1, 2, 3.5, 6.5, 12.5, 24.5, 48.5, 96.5, 192.5, 512.0], np.float32)
 INV = (1.0 / REPS).astype(np.float32)
-INV_SHIFTED = (1.0 / (REPS[1:] - 1.0)).astype(np.float32)
+INV_SHIFTED = (1.0 / (REPS[1:] - 1.0)).astype(np.float32)  # given dist >= 2, a token later
+INV_SHIFTED2 = (1.0 / (REPS[2:] - 2.0)).astype(np.float32)  # given dist >= 3, two tokens later
+VARIANTS = 5
 HEADS = 2
 
 
@@ -47,21 +53,26 @@ def bucket_nll(logits: torch.Tensor, bucket: torch.Tensor, censored: torch.Tenso
     return -torch.log((p * mask).sum(-2) + 1e-9)
 
 
-# estimates() as one product: rows E[1/dist] (head A), its tail given dist >= 2 shifted by
-# one token, E[1/dist] (head B), and head A's mass at dist >= 2.
-_MIX = np.zeros((4, HEADS * BUCKETS), np.float32)
+# estimates() as one product: rows E[1/dist] of head A, of its tail given dist >= 2 shifted
+# by one token, of head B, of head B's tail given dist >= 2 shifted by one, of head A's tail
+# given dist >= 3 shifted by two; then the masses of those three tails.
+_MIX = np.zeros((VARIANTS + 3, HEADS * BUCKETS), np.float32)
 _MIX[0, :BUCKETS] = INV
 _MIX[1, 1:BUCKETS] = INV_SHIFTED
 _MIX[2, BUCKETS:] = INV
-_MIX[3, 1:BUCKETS] = 1.0
+_MIX[3, BUCKETS + 1:] = INV_SHIFTED
+_MIX[4, 2:BUCKETS] = INV_SHIFTED2
+_MIX[5, 1:BUCKETS] = 1.0
+_MIX[6, BUCKETS + 1:] = 1.0
+_MIX[7, 2:BUCKETS] = 1.0
 
 
 def estimates(P: np.ndarray, num_layers: int) -> np.ndarray:
-    """(3, N) S arrays from the bucket probabilities P (HEADS, BUCKETS, N) of heads A and B:
-    S = L * (D - 1), D the harmonic mean of the distance, in the three variants above."""
+    """(VARIANTS, N) S arrays from the bucket probabilities P (HEADS, BUCKETS, N) of heads A
+    and B: S = L * (D - 1), D the harmonic mean of the distance, in the variants above."""
     R = _MIX @ P.reshape(HEADS * BUCKETS, -1)
-    R[1] /= np.maximum(R[3], 1e-9)
-    S = num_layers / R[:3]
+    R[[1, 3, 4]] /= np.maximum(R[5:], 1e-9)
+    S = num_layers / R[:VARIANTS]
     S -= num_layers
     return S.astype(np.float32, copy=False)
 

@@ -6,8 +6,8 @@ import torch
 
 from services.feature_extractor.core import FeatureExtractor
 from services.predictor.core import window_labels
-from services.predictor.model import (BUCKETS, HEADS, INV, INV_SHIFTED, Net, bucket_nll,
-                                      estimates)
+from services.predictor.model import (BUCKETS, HEADS, INV, INV_SHIFTED, INV_SHIFTED2, Net,
+                                      bucket_nll, estimates)
 
 L, E, K, DIMS, FEATURES = 3, 8, 2, 16, 5
 
@@ -96,7 +96,7 @@ def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
     assert not warmup_fits(tmp_path, fewer)
 
 
-def test_the_estimate_is_the_harmonic_mean_distance_in_its_three_variants():
+def test_the_estimate_is_the_harmonic_mean_distance_in_its_five_variants():
     rng = np.random.default_rng(4)
     P = rng.random((HEADS, BUCKETS, 9)).astype(np.float32)
     P /= P.sum(1, keepdims=True)
@@ -104,7 +104,12 @@ def test_the_estimate_is_the_harmonic_mean_distance_in_its_three_variants():
     d0 = 1 / (INV @ P[0])
     d1 = P[0, 1:].sum(0) / (INV_SHIFTED @ P[0, 1:])  # given a distance >= 2, a token later
     d2 = 1 / (INV @ P[1])
-    np.testing.assert_allclose(S, L * (np.stack([d0, d1, d2]) - 1), rtol=1e-5)
+    d3 = P[1, 1:].sum(0) / (INV_SHIFTED @ P[1, 1:])  # head B, the same
+    d4 = P[0, 2:].sum(0) / (INV_SHIFTED2 @ P[0, 2:])  # given >= 3, two tokens later
+    np.testing.assert_allclose(S, L * (np.stack([d0, d1, d2, d3, d4]) - 1), rtol=1e-5)
+    # by the distances themselves: a bucket's representative distance, minus the shift
+    reps = 1 / INV
+    np.testing.assert_allclose(INV_SHIFTED2, 1 / (reps[2:] - 2))
 
 
 def _reference(net: Net, z: np.ndarray, x: np.ndarray, state=None):

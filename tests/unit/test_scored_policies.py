@@ -158,7 +158,7 @@ def test_the_kept_variant_follows_the_estimate_s_step():
     for request in range(600):
         step, layer = divmod(request, L)
         if rng.random() < 0.3:
-            core.set_estimate(rng.random((3, L * E)) * 10, step=step + int(rng.integers(-3, 2)))
+            core.set_estimate(rng.random((5, L * E)) * 10, step=step + int(rng.integers(-3, 2)))
         experts = rng.choice(E, size=2, replace=False).tolist()
         _, loads, _ = core.acquire(W, layer, experts, release_layers=[(layer - 1) % L],
                                    step=step)
@@ -171,13 +171,14 @@ def test_the_kept_variant_follows_the_estimate_s_step():
 
 def test_an_estimate_for_a_past_step_is_read_from_that_step_s_outcome():
     """A token's first layers run before its estimate arrives: the estimate in hand is the
-    previous step's. For every expert it then takes the variant of that step's outcome (var
-    2: used then, var 1: not), whatever layer this token has reached; the estimate for this
-    step, once it comes, gives the unvisited layers var 0 again. Without step numbers the
-    policy takes any estimate as this token's."""
+    previous step's. An expert then takes the variant of that step's outcome (var 2: used
+    then, var 1: not), or once this token visited its layer without using it, var 3 or 4
+    (the same, given that); the estimate for this step, once it comes, gives the unvisited
+    layers var 0 again. Without step numbers the policy takes any estimate as this
+    token's."""
     core = CacheManagerCore(KNOWN, n_slots=8, policy="flashmoe")
     policy = core.policies[None]
-    S = np.stack([np.full(L * E, 10.0), np.full(L * E, 20.0), np.full(L * E, 30.0)])
+    S = np.stack([np.full(L * E, 10.0 * (v + 1)) for v in range(5)])
     for layer in range(L):  # step 0: expert 0 of every layer used
         core.acquire(W, layer, [0], step=0)
     core.set_estimate(S, step=0)  # (late: step 0 has run)
@@ -185,8 +186,11 @@ def test_an_estimate_for_a_past_step_is_read_from_that_step_s_outcome():
     assert policy.lag() == 1
     used_then, not_used = policy._index((2, 0)), policy._index((2, 1))
     assert policy._est[used_then] == 30.0 and policy._est[not_used] == 20.0
-    core.acquire(W, 1, [1], release_layers=[0], step=1)  # visits leave them as they are
-    assert policy._est[policy._index((1, 0))] == 30.0
+    assert policy._est[policy._index((0, 0))] == 40.0  # layer 0 visited, (0,0) not used
+    assert policy._est[policy._index((0, 2))] == 50.0  # nor used in step 0
+    assert policy._est[policy._index((0, 1))] == 30.0  # used in step 1
+    core.acquire(W, 1, [1], release_layers=[0], step=1)
+    assert policy._est[policy._index((1, 0))] == 40.0
     core.set_estimate(S, step=1)  # this step's own estimate
     assert policy.lag() == 0
     assert policy._est[used_then] == 10.0  # layer 2 not visited yet in step 1: var 0

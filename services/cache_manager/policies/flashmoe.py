@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import PolicyError
-from .scored import TIE_SCALE, ScoredPolicy
+from .scored import TIE_SCALE, VARIANTS, ScoredPolicy
 
 
 @dataclass(frozen=True)
@@ -44,19 +44,22 @@ class FlashMoEPolicy(ScoredPolicy):
 
     def set_estimate(self, S: np.ndarray | None, layers: list[int] | None = None,
                      step: int | None = None) -> None:
-        """S (3, len(layers) * E): row block i belongs to layer ``layers[i]`` (default: the
-        policy's layers in order); ``step``: the decode step it is for, in the numbering of
-        ``on_request``'s steps (None: not known; scored.py says what it changes). None: no
-        usable estimate, LRU until the next one."""
+        """S (VARIANTS, len(layers) * E): row block i belongs to layer ``layers[i]``
+        (default: the policy's layers in order); ``step``: the decode step it is for, in the
+        numbering of ``on_request``'s steps (None: not known; scored.py says what it
+        changes). Three rows give the first three variants, vars 3 and 4 then taken as 2 and
+        1. None: no usable estimate, LRU until the next one."""
         self._ranked = None
         if S is None:
             self.fallback = True
             return
         layers = self.layers if layers is None else layers
         E = self.num_experts
-        if S.shape != (3, len(layers) * E):
+        if S.ndim != 2 or S.shape[0] not in (3, VARIANTS) or S.shape[1] != len(layers) * E:
             raise ValueError(f"flashmoe: an estimate of shape {S.shape}, expected "
-                             f"{(3, len(layers) * E)}")
+                             f"{(VARIANTS, len(layers) * E)}")
+        if len(S) == 3:
+            S = S[[0, 1, 2, 2, 1]]
         for i, layer in enumerate(layers):
             self.S[:, layer * E:(layer + 1) * E] = S[:, i * E:(i + 1) * E]
         self.estimate_step = step

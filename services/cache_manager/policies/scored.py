@@ -9,19 +9,22 @@ with the largest
     d(l_c, l) + S[var][c]          (ties: the least recently used)
 
 where S is the policy's own estimate, in layer steps, of how much later than that visit the
-expert is needed, refreshed once per token (``refresh``). Three variants of S let one refresh
-serve the whole token: var 0 for an expert whose layer this token has not reached yet, var 1
-for one whose layer was visited and that was not used, var 2 for one used in this token.
+expert is needed, refreshed once per token (``refresh``). Variants of S let one refresh serve
+the whole token: var 0 for an expert whose layer this token has not reached yet, var 1 for one
+whose layer was visited and that was not used, var 2 for one used in this token.
 
 An estimate made elsewhere (the predictor's, ``flashmoe``) is for one decode step, and may
 reach the policy after that step began: the policy then knows which step it is for
 (``estimate_step``) and which one it serves (``on_request``'s ``step``). ``lag`` = served -
 estimated. At 0 the variants are as above. At 1 or more (a new token began before the
-estimate for it came) the estimate is of a token already past, whose outcome the policy saw:
-for an expert used in it or since, var 2 (the distance counted from the token after it), else
-var 1 (not used then: the distance from the token after it, given that). At -1 (the estimate
-for the next token came before that token began) every expert takes var 0 of it. Without step
-numbers (a worker that does not send them) the estimate is taken as the current token's.
+estimate for it came) the estimate is of a token already past, whose outcome the policy saw.
+An expert used in this token takes var 2; one whose layer this token has not reached, var 2
+if used in the estimate's token or since (the distance counted from the token after it),
+else var 1 (not used then); one whose layer this token visited without using it, var 3 or
+var 4 (the same two, given no use in the token after either: services/predictor/model.py).
+At -1 (the estimate for the next token came before that token began) every expert takes var
+0 of it. Without step numbers (a worker that does not send them) the estimate is taken as the
+current token's.
 
 These policies follow the layer order through the cache manager's core (``on_request`` at the
 start of every acquire, ``configure`` with the key space); the per-request replay, which has
@@ -36,7 +39,7 @@ import numpy as np
 
 from .base import NOTHING_PINNED, EvictionPolicy, Key, PolicyError
 
-VARIANTS = 3
+VARIANTS = 5
 TIE_SCALE = float(1 << 32)  # score units in the composite key; the rest orders by recency
 
 
@@ -103,11 +106,15 @@ class ScoredPolicy(EvictionPolicy):
         end = (layer + 1) * self.num_experts
         if end > self._visited_end:  # these layers are visited from now on: not used yet,
             start, self._visited_end = self._visited_end, end  # but for the early ones
-            if not self.lag():  # (a stale estimate's variants do not change with the visits)
-                self._est[start:end] = self.S[1][start:end]
+            lag = self.lag()
+            if lag >= 0:  # (at -1 every key keeps var 0)
+                S = self.S
+                self._est[start:end] = S[1][start:end] if not lag else np.where(
+                    self.used_token[start:end] >= self.token - lag, S[3][start:end],
+                    S[4][start:end])
                 for i in self._early:
                     if start <= i < end:
-                        self._est[i] = self.S[2][i]
+                        self._est[i] = S[2][i]
         self._requested = [layer * self.num_experts + e for e in experts]
         self._ranked = None
 
@@ -124,12 +131,15 @@ class ScoredPolicy(EvictionPolicy):
 
     def _select(self, visited: np.ndarray) -> np.ndarray:
         """Each key's S variant, given which keys' layers were visited in this token."""
-        S, lag = self.S, self.lag()
-        if lag > 0:  # used in the estimate's token or since: var 2; else var 1
-            return np.where(self.used_token >= self.token - lag, S[2], S[1])
+        S, lag, used = self.S, self.lag(), self.used_token
+        now = used == self.token
+        if lag > 0:
+            since = used >= self.token - lag  # used in the estimate's token or since
+            return np.where(now, S[2], np.where(visited, np.where(since, S[3], S[4]),
+                                                np.where(since, S[2], S[1])))
         if lag < 0:
             return S[0].copy()
-        return np.where(visited, np.where(self.used_token == self.token, S[2], S[1]), S[0])
+        return np.where(visited, np.where(now, S[2], S[1]), S[0])
 
     def _update_estimate(self) -> None:
         """Re-select every key's variant (after ``S`` changed outside ``refresh``)."""

@@ -1,5 +1,5 @@
 /* The predictor's one-token inference, fused: per-layer heads, skip weights and per-key bias,
- * the two heads' softmax over the distance buckets, and the three eviction estimates
+ * the two heads' softmax over the distance buckets, and the five eviction estimates
  * (services/predictor/model.py: Net.step, then estimates()). One call instead of a dozen
  * numpy and torch dispatches, and the heads (the bulk of the weights) read as bfloat16 or int8
  * (per-output scales): a live predictor wakes once a token with cold caches, and then its
@@ -13,6 +13,8 @@
  *   S[0]       = L / sum_b P_A[b] inv[b] - L
  *   S[1]       = L / (sum_{b>=1} P_A[b] inv_shifted[b] / sum_{b>=1} P_A[b]) - L
  *   S[2]       = L / sum_b P_B[b] inv[b] - L
+ *   S[3]       = L / (sum_{b>=1} P_B[b] inv_shifted[b] / sum_{b>=1} P_B[b]) - L
+ *   S[4]       = L / (sum_{b>=2} P_A[b] inv_shifted2[b] / sum_{b>=2} P_A[b]) - L
  *   p0[k]      = P_A[0]  (the chance the key is used in the predicted token)
  *
  * Built by `flashmoe build-helper` (services/predictor/fast_infer.py). */
@@ -20,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define FM_INFER_ABI 3
+#define FM_INFER_ABI 4
 #define FM_FP32 0
 #define FM_BF16 1
 #define FM_INT8 2
@@ -119,8 +121,8 @@ static inline float exp_nonpositive(float x) {
  * floats of scratch, the same layout; every loop over the layer's E experts is contiguous. */
 static void layer_estimates(int L, int E, int B, int F, int layer, const float *o,
                             const float *x, const float *skip, const float *bias,
-                            const float *inv, const float *inv_shifted, float *tile,
-                            float *p0, float *S) {
+                            const float *inv, const float *inv_shifted,
+                            const float *inv_shifted2, float *tile, float *p0, float *S) {
     const int N = L * E, J = 2 * B;
     const size_t first = (size_t)layer * E;
     const float Lf = (float)L;
@@ -149,21 +151,26 @@ static void layer_estimates(int L, int E, int B, int F, int layer, const float *
                 sum += v;
             }
             const float norm = 1.f / sum;
-            float mean_inv = 0.f, tail = 0.f, tail_inv = 0.f;
+            float mean_inv = 0.f, tail = 0.f, tail_inv = 0.f, tail2 = 0.f, tail2_inv = 0.f;
             for (int b = 0; b < B; b++) {
                 const float p = g[(size_t)b * E + e] * norm;
                 mean_inv += p * inv[b];
                 tail += b ? p : 0.f;
                 tail_inv += p * inv_shifted[b];  /* inv_shifted[0] = 0 */
+                tail2 += b > 1 ? p : 0.f;
+                tail2_inv += p * inv_shifted2[b];  /* inv_shifted2[0] = [1] = 0 */
             }
             const size_t key = first + e;
+            tail_inv /= tail > 1e-9f ? tail : 1e-9f;
             if (head == 0) {
                 p0[key] = g[e] * norm;
                 S[key] = Lf / mean_inv - Lf;
-                tail_inv /= tail > 1e-9f ? tail : 1e-9f;
                 S[(size_t)N + key] = Lf / tail_inv - Lf;
+                tail2_inv /= tail2 > 1e-9f ? tail2 : 1e-9f;
+                S[4 * (size_t)N + key] = Lf / tail2_inv - Lf;
             } else {
                 S[2 * (size_t)N + key] = Lf / mean_inv - Lf;
+                S[3 * (size_t)N + key] = Lf / tail_inv - Lf;
             }
         }
     }
@@ -174,7 +181,8 @@ static void layer_estimates(int L, int E, int B, int F, int layer, const float *
  * precision. */
 int fm_infer(int L, int E, int D, int F, int B, int precision, const float *h, const float *x,
              const float *skip, const float *bias, const void *head, const float *scale,
-             const float *inv, const float *inv_shifted, float *work, float *p0, float *S) {
+             const float *inv, const float *inv_shifted, const float *inv_shifted2,
+             float *work, float *p0, float *S) {
     if (B < 2 || B > MAX_BUCKETS || precision < FM_FP32 || precision > FM_INT8 ||
         (precision == FM_INT8 && !scale))
         return -1;
@@ -195,7 +203,8 @@ int fm_infer(int L, int E, int D, int F, int B, int precision, const float *h, c
                             D, O);
         if (precision == FM_INT8)
             for (int j = 0; j < O; j++) work[j] *= scale[(size_t)l * O + j];
-        layer_estimates(L, E, B, F, l, work, x, skip, bias, inv, inv_shifted, tile, p0, S);
+        layer_estimates(L, E, B, F, l, work, x, skip, bias, inv, inv_shifted, inv_shifted2,
+                        tile, p0, S);
     }
     return 0;
 }
