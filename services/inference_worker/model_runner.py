@@ -38,6 +38,15 @@ from common.store import CONFIG_NAME, NON_EXPERT_NAME, StoreError
 Fetch = Callable[[int, list[int], Sequence[int], str], list[dict[str, torch.Tensor]]]
 
 
+# safetensors (0.8) hands out tensors in place in the file's bytes, where a tensor starts
+# wherever the one before it ended; a float32 product through MKL takes another path on a
+# weight that is not 16-byte aligned and rounds differently in the last bits (seen on an AVX-512
+# CPU). A non-expert weight that does not start on a 64-byte boundary (a cache line, the widest
+# vector) is copied into an allocation of its own, whatever its dtype, so that the worker's
+# products do not depend on where the converter happened to put a tensor.
+WEIGHT_ALIGN = 64
+
+
 class ModelLoadError(StoreError):
     """The store's model cannot be built or its weights do not fit transformers' model."""
 
@@ -193,7 +202,11 @@ class ModelRunner:
             if tuple(tensor.shape) != tuple(want.shape):
                 raise ModelLoadError(f"{path}: tensor {key} is {list(tensor.shape)}, the model "
                                      f"wants {list(want.shape)}")
-            state[name] = tensor if tensor.dtype == want.dtype else tensor.to(want.dtype)
+            if tensor.dtype != want.dtype:
+                tensor = tensor.to(want.dtype)
+            elif tensor.data_ptr() % WEIGHT_ALIGN:
+                tensor = tensor.clone()
+            state[name] = tensor
         model.load_state_dict(state, strict=False, assign=True)
         model.tie_weights()
         # Buffers not in checkpoints (rotary frequencies) are computed, as from_pretrained does.
