@@ -328,10 +328,12 @@ class CacheManagerCore:
 
     def look_ahead_ready(self) -> bool:
         """Whether the learned look-ahead prefetch can run: a prefetch budget, global scope,
-        and a policy with a usable estimate (FlashMoE not in its LRU fallback)."""
+        a policy with a usable estimate (FlashMoE not in its LRU fallback) and a full cache
+        (while it fills, the look-ahead has no victim to weigh a load against)."""
         policy = self.policies.get(None)
         return bool(self.prefetch_budget) and self.scope == "global" \
-            and hasattr(policy, "wanted") and not policy.fallback
+            and hasattr(policy, "wanted") and not policy.fallback \
+            and len(policy) >= policy.capacity
 
     def learned_hints(self, count: int, margin: float = 0.0, ratio: float = 1.0,
                       skip: int = 0) -> int:

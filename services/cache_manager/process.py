@@ -481,9 +481,13 @@ class CacheManager:
             for expert in msg.experts:  # (np.add.at costs more than this loop for a few)
                 counts[expert] += 1.0
         try:
+            # A worker's step numbers the events it publishes, from 0 per worker: with more
+            # than one worker they say nothing of each other (nor which events an estimate
+            # followed), and the policy goes by the layer order alone.
+            step = msg.step if msg.step >= 0 and len(self.workers) == 1 else None
             slots, loads, waiter = self.core.acquire(identity, msg.layer, msg.experts,
                                                      msg.release_layers, tag=(identity, msg.seq),
-                                                     step=msg.step if msg.step >= 0 else None)
+                                                     step=step)
         except AcquireFailed as exc:
             self.send(identity, AcquireError(msg.seq, msg.layer, exc.code, str(exc), exc.experts))
             return

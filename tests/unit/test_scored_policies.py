@@ -164,6 +164,10 @@ def test_the_kept_variant_follows_the_estimate_s_step():
                                    step=step)
         for load in loads:
             core.finish_load(load.key, ok=True)
+        if request % 5 == 0 and layer + 1 < L:  # used before its layer (another worker)
+            ahead = [k for k in core.slot_of if k[0] == layer + 1]
+            if ahead:
+                policy.on_hit(ahead[0])
         lags.add(policy.lag())
         assert np.allclose(policy.scores() - policy._d[policy.layer], policy._est)
     assert {-1, 0, 1, 2, 3} <= lags
@@ -278,10 +282,16 @@ def test_look_ahead_prefetch_wants_a_fraction_of_the_victim_s_wait_and_skips_the
 
 
 def test_the_inline_prefetcher_stands_down_while_the_look_ahead_can_run():
-    """``look_ahead_ready``: a budget, global scope, and a usable estimate (the callers then
-    keep the inline prefetcher's hints back unless ``prefetch.inline_with_learned``)."""
+    """``look_ahead_ready``: a budget, global scope, a usable estimate and a full cache (the
+    callers then keep the inline prefetcher's hints back unless
+    ``prefetch.inline_with_learned``)."""
     core = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe", prefetch_budget=2)
-    assert not core.look_ahead_ready()  # no estimate yet
+    core.set_estimate(np.zeros((3, L * E)))
+    run_tokens(core, [[[0, 1], [0]]])
+    assert not core.look_ahead_ready()  # 3 of 4 slots: the cache still fills
+    core.set_estimate(None)
+    run_tokens(core, [[[0, 1], [0], [0]]])  # full
+    assert not core.look_ahead_ready()  # no estimate
     core.set_estimate(np.zeros((3, L * E)))
     assert core.look_ahead_ready()
     core.set_estimate(None)  # fallback to LRU

@@ -70,7 +70,7 @@ class ScoredPolicy(EvictionPolicy):
         self._d = ((self.layer_of[None, :] - layers_now - 1) % self.num_layers).astype(np.float64)
         self._visited = self.layer_of[None, :] <= layers_now
         # Each key's S variant right now (what ``scores`` selects), kept up to date as the
-        # token advances so that ranking gathers one array instead of choosing among three.
+        # token advances so that ranking gathers one array instead of choosing among them.
         self._est = self.S[0].copy()
         self._visited_end = 0  # keys [0, _visited_end) belong to layers visited this token
         self._early: list[int] = []  # keys used this token before their layer (prefetched)
@@ -110,7 +110,7 @@ class ScoredPolicy(EvictionPolicy):
             if lag >= 0:  # (at -1 every key keeps var 0)
                 S = self.S
                 self._est[start:end] = S[1][start:end] if not lag else np.where(
-                    self.used_token[start:end] >= self.token - lag, S[3][start:end],
+                    self.used_token[start:end] >= max(self.token - lag, 0), S[3][start:end],
                     S[4][start:end])
                 for i in self._early:
                     if start <= i < end:
@@ -133,8 +133,8 @@ class ScoredPolicy(EvictionPolicy):
         """Each key's S variant, given which keys' layers were visited in this token."""
         S, lag, used = self.S, self.lag(), self.used_token
         now = used == self.token
-        if lag > 0:
-            since = used >= self.token - lag  # used in the estimate's token or since
+        if lag > 0:  # used in the estimate's token or since (never used: not)
+            since = used >= max(self.token - lag, 0)
             return np.where(now, S[2], np.where(visited, np.where(since, S[3], S[4]),
                                                 np.where(since, S[2], S[1])))
         if lag < 0:
@@ -157,11 +157,14 @@ class ScoredPolicy(EvictionPolicy):
         self.clock += 1.0
         self.last_use[i] = self.clock
         self.used_token[i] = self.token
+        lag = self.lag() if self.estimate_step is not None else 0
         if i < self._visited_end:
-            if self.estimate_step is None or self.lag() >= 0:  # (-1: var 0 stays)
+            if lag >= 0:  # (at -1 every key keeps var 0)
                 self._est[i] = self.S[2][i]
         else:
             self._early.append(i)
+            if lag > 0:  # an old estimate gives a key used this token var 2, visited or not
+                self._est[i] = self.S[2][i]
 
     def on_hit(self, key: Key) -> None:
         self._touch(self._index(key))
