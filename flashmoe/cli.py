@@ -689,7 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", metavar="CKPT", help="a `flashmoe warmup` checkpoint for the "
                                                    "learned policy (default: cold start)")
     p.add_argument("--prefetch", action="store_true",
-                   help="the inline next-layer prefetcher on, for every policy but belady")
+                   help="the inline next-layer prefetcher on, for every policy but belady, "
+                        "and flashmoe's look-ahead prefetch (while that runs on an estimate the "
+                        "inline one stands down unless prefetch.inline_with_learned)")
     p.add_argument("--stale-tokens", type=int, default=0,
                    help="deliver the learned policy's estimates this many tokens late")
     p.add_argument("--quiet", action="store_true", help="no progress bar (none either when "

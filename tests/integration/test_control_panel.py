@@ -258,6 +258,7 @@ def find_chromium() -> tuple[str, str] | None:
 
 def test_page_in_headless_chromium(live, tmp_path):
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -276,7 +277,9 @@ def test_page_in_headless_chromium(live, tmp_path):
     shots.mkdir()
     try:
         driver.get(live.url + "/")
-        wait = WebDriverWait(driver, 60)
+        # the page re-renders its figures every second: an element found may be replaced before
+        # its text is read, so a wait retries on a stale element
+        wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
         wait.until(lambda d: d.execute_script("return window.flashmoePanel.chartUpdates") >= 1)
         first = driver.execute_script("return window.flashmoePanel.historyPoints")
         wait.until(lambda d: d.execute_script(
