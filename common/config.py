@@ -205,8 +205,8 @@ class PrefetchConfig:
         lo=1.0, hi=1000.0, live=True))
     learned_margin: float = field(default=0.0, metadata=_spec(
         "Tokens by which a look-ahead prefetch's expected next use must also come before its "
-        "victim's (the former rule, a margin of 4 alone with no skip, gave 0.9/3.6 points at "
-        "1.01x/1.14x on dev).", lo=0.0, hi=1000.0, live=True))
+        "victim's (the former rule, a margin of 4 alone with no skip, gave 0.9/3.8 points at "
+        "1.01x/1.11x on dev).", lo=0.0, hi=1000.0, live=True))
     learned_skip: int = field(default=1, metadata=_spec(
         "Layers right after the current one that the look-ahead prefetch leaves alone: a "
         "read started now would still be in flight when they ask (on dev 0 lost 1.9/0.6 "

@@ -158,8 +158,8 @@ class LearningPath(ReplayHooks):
     def after_request(self, core: CacheManagerCore, now_ms: float, token: int, layer: int,
                       experts: list[int]) -> None:
         if self.prefetcher is not None:
-            hint = self.inline_with_learned or self.learned is None \
-                or not self.learned[0] or not core.look_ahead_ready()
+            hint = core.inline_may_hint(self.learned[0] if self.learned else 0,
+                                        self.inline_with_learned)
             self.prefetcher.after_request(core, SIM_WORKER, layer, experts,
                                           self.stream.input_token[token], hint=hint)
         if self.learned is not None:

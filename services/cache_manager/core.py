@@ -332,8 +332,13 @@ class CacheManagerCore:
         (while it fills, the look-ahead has no victim to weigh a load against)."""
         policy = self.policies.get(None)
         return bool(self.prefetch_budget) and self.scope == "global" \
-            and hasattr(policy, "wanted") and not policy.fallback \
-            and len(policy) >= policy.capacity
+            and hasattr(policy, "can_look_ahead") and policy.can_look_ahead()
+
+    def inline_may_hint(self, learned: int, with_learned: bool) -> bool:
+        """Whether the inline next-layer prefetcher hints after a request: always with
+        ``with_learned`` (``prefetch.inline_with_learned``) or no look-ahead (``learned``, its
+        count, 0), else only while the look-ahead cannot run (``look_ahead_ready``)."""
+        return with_learned or not learned or not self.look_ahead_ready()
 
     def learned_hints(self, count: int, margin: float = 0.0, ratio: float = 1.0,
                       skip: int = 0) -> int:
@@ -344,14 +349,11 @@ class CacheManagerCore:
         layers). Nothing without a prefetch budget, while hints are pending, or in layer
         scope (a layer's own policy sees only its layer's requests, not where the token is
         now). Returns the number hinted."""
-        if count <= 0 or not self.prefetch_budget or self.pending_hints \
-                or len(self.loading) > self.prefetch_inflight or self.scope != "global":
-            return 0
-        wanted = getattr(self.policies[None], "wanted", None)
-        if wanted is None:
+        if count <= 0 or self.pending_hints or len(self.loading) > self.prefetch_inflight \
+                or not self.look_ahead_ready():
             return 0
         hinted = 0
-        for layer, expert in wanted(count, margin, ratio, skip):
+        for layer, expert in self.policies[None].wanted(count, margin, ratio, skip):
             self.hint(layer, [expert])
             hinted += 1
         self.stats["prefetch_learned"] += hinted

@@ -499,8 +499,7 @@ class CacheManager:
             position = self.layer_position.get(msg.layer)
             if position is not None:
                 cfg = self.config.prefetch
-                hint = cfg.inline_with_learned or not cfg.learned \
-                    or not self.core.look_ahead_ready()
+                hint = self.core.inline_may_hint(cfg.learned, cfg.inline_with_learned)
                 self.prefetcher.after_request(self.core, identity, position, msg.experts,
                                               msg.token, self.moe_layers, hint=hint)
         self.prefetch_ahead()

@@ -67,6 +67,11 @@ class FlashMoEPolicy(ScoredPolicy):
         self.fallback = False
         self.estimates += 1
 
+    def can_look_ahead(self) -> bool:
+        """A usable estimate and a full cache (while it fills there is no victim to weigh a
+        look-ahead load against)."""
+        return not self.fallback and self._len >= self.capacity
+
     def wanted(self, count: int, margin: float = 0.0, ratio: float = 1.0, skip: int = 0
                ) -> list[tuple[int, int]]:
         """Look-ahead prefetch: up to ``count`` experts, neither resident nor loading, whose
@@ -74,7 +79,7 @@ class FlashMoEPolicy(ScoredPolicy):
         victim's and lower by at least ``margin`` tokens, soonest needed first; none of the
         next ``skip`` layers (a read started now would still be in flight when they ask).
         None without a usable estimate."""
-        if self.fallback or self._len < self.capacity or count <= 0:
+        if count <= 0 or not self.can_look_ahead():
             return []
         d = self._d[self.layer]
         here = d + self._est

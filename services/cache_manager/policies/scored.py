@@ -157,7 +157,7 @@ class ScoredPolicy(EvictionPolicy):
         self.clock += 1.0
         self.last_use[i] = self.clock
         self.used_token[i] = self.token
-        lag = self.lag() if self.estimate_step is not None else 0
+        lag = self.lag()
         if i < self._visited_end:
             if lag >= 0:  # (at -1 every key keeps var 0)
                 self._est[i] = self.S[2][i]
