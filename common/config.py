@@ -269,6 +269,14 @@ class ClusterConfig:
         fixed_because=_CLUSTER_FIXED))
 
 
+@dataclass
+class TracesConfig:
+    dir: str = field(default="", metadata=_spec(
+        "Folder of the full routing traces (holding gptoss20b/ and warp/); empty: "
+        "../shared/traces beside the checkout when present. `--traces-dir` wins over it.",
+        fixed_because="traces are read when a command starts"))
+
+
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "8gb": {"predictor": {"lstm_hidden": 32}, "store": {"block_size": 128 * KIB},
@@ -293,6 +301,7 @@ class FlashMoEConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     panel: PanelConfig = field(default_factory=PanelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    traces: TracesConfig = field(default_factory=TracesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

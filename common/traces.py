@@ -4,11 +4,19 @@ A ``Trace`` is the router's choice per decode token and MoE layer: ``experts`` o
 (tokens, layers, top_k), sequences delimited by ``offsets`` (sequence i is rows
 ``offsets[i]:offsets[i+1]``), optionally the router ``probs`` of the same shape.
 
-Shared traces (read from ``../shared/traces``, never copied into the project):
+The full traces live outside the project, in a folder found by ``find_traces_dir``: the
+``--traces-dir`` flag, else the ``traces.dir`` setting, else ``../shared/traces`` beside the
+checkout. They are never copied into the project:
   - ``gptoss20b[:split]``: openai/gpt-oss-20b; split ``train``, ``eval``, ``all``, or ``fit``
     and ``dev`` (train without / only ``gpqa_main``: warm up on fit, make choices on dev);
-    sequences with ``has_repetition`` are always dropped (the README's rule for reported numbers).
+    sequences with ``has_repetition`` are always dropped (the traces' rule for reported numbers).
   - ``warp:olmoe``, ``warp:kimi``: the two small warp traces (one sequence each).
+
+The committed sample (``common/data/gptoss20b-sample/``, with the dataset's LICENSE and
+provenance) is a trace of its own name, so that it is never mistaken for a full split:
+  - ``gptoss20b-sample:train``: the whole train sequences of the first ``SAMPLE_TRAIN_TOKENS``
+    tokens (what ``flashmoe run`` warms up on);
+  - ``gptoss20b-sample:eval``: the first eval sequences holding ``SAMPLE_EVAL_TOKENS`` tokens.
 
 FlashMoE trace file format (``*.npz``, written by ``flashmoe trace record``; version 1):
   - ``experts``: int16 (tokens, layers, top_k), expert ids in the router's top-k order;
@@ -30,6 +38,10 @@ import numpy as np
 TRACE_FORMAT = "flashmoe-trace"
 TRACE_VERSION = 1
 DEFAULT_TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "gptoss20b-sample"
+SAMPLE_NAME = "gptoss20b-sample"
+SAMPLE_TRAIN_TOKENS = 12_000
+SAMPLE_EVAL_TOKENS = 600
 
 GPTOSS_TRAIN = ("mmlu_dev", "mmlu_validation", "gpqa_main", "sorry_bench_base")
 GPTOSS_EVAL = ("mmlu_test", "mmlu_pro_test", "mmlu_pro_validation", "gpqa_diamond",
@@ -85,6 +97,34 @@ class Trace:
         return self.experts.size
 
 
+def find_traces_dir(flag: str | Path | None = None, setting: str | Path | None = None) -> Path:
+    """The folder of the full traces: ``--traces-dir``, else the ``traces.dir`` setting, else
+    ``../shared/traces`` beside the checkout (which need not exist: loading then says so)."""
+    for choice in (flag, setting):
+        if choice:
+            return Path(choice).expanduser()
+    return DEFAULT_TRACES_DIR
+
+
+def has_full_traces(traces_dir: str | Path | None = None) -> bool:
+    """Whether the full gpt-oss-20b traces are in ``traces_dir`` (default: as found)."""
+    folder = Path(traces_dir) if traces_dir else find_traces_dir()
+    return (folder / "gptoss20b" / "routing.npz").is_file()
+
+
+def first_sequences(trace: Trace, tokens: int, cover: bool = False) -> Trace:
+    """The first whole sequences of ``trace``: those that fit in ``tokens`` tokens (at least
+    one), or with ``cover`` the fewest that hold at least ``tokens``."""
+    side = "left" if cover else "right"
+    count = int(np.searchsorted(trace.offsets, tokens, side=side)) - (0 if cover else 1)
+    count = min(max(1, count), trace.n_sequences)
+    end = int(trace.offsets[count])
+    return Trace(f"{trace.name}[:{end}]", trace.experts[:end], trace.offsets[:count + 1],
+                 trace.num_experts, trace.model,
+                 trace.probs[:end] if trace.probs is not None else None,
+                 trace.sequences[:count])
+
+
 def _select_sequences(experts: np.ndarray, offsets: np.ndarray, keep: np.ndarray,
                       probs: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     lengths = np.diff(offsets)[keep]
@@ -93,13 +133,15 @@ def _select_sequences(experts: np.ndarray, offsets: np.ndarray, keep: np.ndarray
     return experts[rows], new_offsets, (probs[rows] if probs is not None else None)
 
 
-def load_gptoss20b(split: str = "eval", traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
-    folder = Path(traces_dir) / "gptoss20b"
+def load_gptoss20b(split: str = "eval", traces_dir: str | Path | None = None) -> Trace:
+    folder = find_traces_dir(traces_dir) / "gptoss20b"
     if split not in SPLITS:
         raise TraceError(f"gptoss20b split {split!r}: choose {', '.join(SPLITS)}")
     if not (folder / "routing.npz").is_file():
-        raise TraceError(f"{folder}: gpt-oss-20b traces not found (expected routing.npz and "
-                         f"meta.jsonl from ../shared/traces)")
+        raise TraceError(f"{folder}: the full gpt-oss-20b traces are not there (routing.npz and "
+                         f"meta.jsonl): give their folder with --traces-dir or the traces.dir "
+                         f"setting; the committed sample is the trace "
+                         f"{SAMPLE_NAME}:train|eval")
     with np.load(folder / "routing.npz") as z:
         experts, probs, offsets = z["experts"], z["probs"], z["offsets"]
     meta = [json.loads(line) for line in (folder / "meta.jsonl").read_text().splitlines() if line]
@@ -118,13 +160,26 @@ def load_gptoss20b(split: str = "eval", traces_dir: Path = DEFAULT_TRACES_DIR) -
                  probs, sequences)
 
 
-def load_warp(which: str, traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
+def load_sample(split: str) -> Trace:
+    """``gptoss20b-sample:train|eval``, the small sample committed in the project."""
+    path = SAMPLE_DIR / f"{split}.npz"
+    if split not in ("train", "eval"):
+        raise TraceError(f"{SAMPLE_NAME} split {split!r}: choose train, eval")
+    if not path.is_file():
+        raise TraceError(f"{path}: the committed sample trace is missing")
+    trace = load_trace_file(path)
+    trace.name = f"{SAMPLE_NAME}:{split}"
+    return trace
+
+
+def load_warp(which: str, traces_dir: str | Path | None = None) -> Trace:
     if which not in WARP_FILES:
         raise TraceError(f"warp trace {which!r}: choose {', '.join(WARP_FILES)}")
     filename, num_experts, model = WARP_FILES[which]
-    path = Path(traces_dir) / "warp" / filename
+    path = find_traces_dir(traces_dir) / "warp" / filename
     if not path.is_file():
-        raise TraceError(f"{path}: warp trace not found (from ../shared/traces)")
+        raise TraceError(f"{path}: warp trace not found: give the traces' folder with "
+                         f"--traces-dir or the traces.dir setting")
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -171,17 +226,20 @@ def load_trace_file(path: str | Path) -> Trace:
                  list(meta.get("sequences", [])))
 
 
-def load_trace(spec: str, traces_dir: Path = DEFAULT_TRACES_DIR) -> Trace:
-    """``gptoss20b:eval``, ``gptoss20b:train``, ``warp:olmoe``, ``warp:kimi``, or a file path."""
+def load_trace(spec: str, traces_dir: str | Path | None = None) -> Trace:
+    """``gptoss20b:eval``, ``gptoss20b:train``, ..., ``gptoss20b-sample:train|eval``,
+    ``warp:olmoe``, ``warp:kimi``, or a file path; ``traces_dir`` as ``find_traces_dir``."""
     source, _, variant = spec.partition(":")
     if source == "gptoss20b":
         return load_gptoss20b(variant or "eval", traces_dir)
+    if source == SAMPLE_NAME:
+        return load_sample(variant or "eval")
     if source == "warp":
         return load_warp(variant, traces_dir)
     if Path(spec).is_file():
         return load_trace_file(spec)
     raise TraceError(f"unknown trace {spec!r}: use gptoss20b:train|eval|all|fit|dev, "
-                     f"warp:olmoe|kimi, "
+                     f"{SAMPLE_NAME}:train|eval, warp:olmoe|kimi, "
                      f"or the path of a FlashMoE trace file")
 
 

@@ -8,9 +8,11 @@ everything, leaving no process, socket file or shared-memory arena behind.
 What it needs is made on first use, under ``--home`` (default ``.flashmoe/run``): a store of
 random bf16 experts in gpt-oss-20b's shape (``flashmoe synth-store``, at ``DEFAULT_SCALE``: a
 quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkpoint of the
-learned policy (``flashmoe warmup`` on the first ``WARMUP_TOKENS`` tokens of the train split).
-The worker replays the shared gpt-oss-20b trace (eval split) at a model's pace; progress
-(tokens/s, hit rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
+learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split).
+The worker replays gpt-oss-20b's eval split at a model's pace: the full split where the full
+traces are found (``--traces-dir``, ``traces.dir``, ``../shared/traces``), else the sample
+committed in the project (``gptoss20b-sample``); the run says which. Progress (tokens/s, hit
+rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
 
 The control panel (``services/control_panel``) runs as one more supervised process on
 127.0.0.1:``panel.port`` (0: any free port); its URL and token (``panel.token``, else one made
@@ -35,26 +37,22 @@ from pathlib import Path
 from common.bus import ServiceUnavailable, ipc_endpoint, stats
 from common.cluster import summary_of_stats
 from common.config import ENV_PREFIX, ConfigError, FlashMoEConfig
-from common.traces import DEFAULT_TRACES_DIR, Trace, load_trace
+from common.traces import (SAMPLE_NAME, SAMPLE_TRAIN_TOKENS, find_traces_dir, first_sequences,
+                           has_full_traces, load_trace)
 from flashmoe.supervisor import ServiceSpec, SupervisionError, Supervisor
 from flashmoe.synth_store import synth_store
 
 DEFAULT_SCALE = 0.03  # ~1.3 GB of experts: made in well under a minute
-WARMUP_TOKENS = 12_000
 PROGRESS_S = 1.0
 PANEL_ANNOUNCE_S = 30.0  # how long `run` waits for the panel to say where it listens
 
 
-def _first_tokens(trace: Trace, tokens: int) -> Trace:
-    """The whole sequences that fit in the first ``tokens`` tokens (at least one)."""
-    import numpy as np
-
-    count = max(1, int(np.searchsorted(trace.offsets, tokens, side="right")) - 1)
-    end = int(trace.offsets[count])
-    return Trace(f"{trace.name}[:{end}]", trace.experts[:end], trace.offsets[:count + 1],
-                 trace.num_experts, trace.model,
-                 trace.probs[:end] if trace.probs is not None else None,
-                 trace.sequences[:count])
+def default_traces(traces_dir: Path) -> tuple[str, str]:
+    """The warm-up and replay traces of a run: the full gpt-oss-20b splits when present,
+    else the committed sample (the same warm-up tokens, a short eval replay)."""
+    if has_full_traces(traces_dir):
+        return "gptoss20b:train", "gptoss20b:eval"
+    return f"{SAMPLE_NAME}:train", f"{SAMPLE_NAME}:eval"
 
 
 def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str | None,
@@ -73,20 +71,24 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
     if warmup is None:
         path = home / "warmup"
         if not warmup_fits(path, config):
-            train = _first_tokens(load_trace("gptoss20b:train", traces_dir), WARMUP_TOKENS)
-            say(f"[run] warming the learned policy up on {train.n_tokens} tokens of the train "
-                f"split (first use only)")
+            name = default_traces(traces_dir)[0]
+            train = first_sequences(load_trace(name, traces_dir), SAMPLE_TRAIN_TOKENS)
+            say(f"[run] warming the learned policy up on {train.n_tokens} tokens of {name} "
+                f"(first use only)")
             run_warmup(train, config, path)
         warmup = str(path)
     return store, warmup
 
 
 def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | None,
-             loop: bool, token_ms: float, endpoint) -> list[ServiceSpec]:
+             loop: bool, token_ms: float, endpoint,
+             traces_dir: Path | None = None) -> list[ServiceSpec]:
     """The processes of a run, in start order; ``endpoint(service)`` names their sockets."""
     events = f"ipc://{runtime}/worker.events.sock"
     worker = ["trace-worker", "--cache", endpoint("cache_manager"), "--events", events,
               "--trace", trace, "--token-ms", str(token_ms)]
+    if traces_dir is not None:
+        worker += ["--traces-dir", str(traces_dir)]
     if loop:
         worker.append("--loop")
     elif tokens:
@@ -196,12 +198,21 @@ class Progress:
 
 
 def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: str | None = None,
-        trace: str = "gptoss20b:eval", tokens: int | None = 200, loop: bool = False,
-        token_ms: float = 0.0, traces_dir: Path = DEFAULT_TRACES_DIR, out=sys.stdout) -> dict:
+        trace: str | None = None, tokens: int | None = 200, loop: bool = False,
+        token_ms: float = 0.0, traces_dir: Path | None = None, out=sys.stdout) -> dict:
+    """Run every service until ``tokens`` are replayed (``loop``: until stopped). ``trace``:
+    the routing the worker replays (default: gpt-oss-20b's eval split, full or sample)."""
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     from services.control_panel.process import INFO_FILE, new_token
 
     check_panel_port(config.panel.port)
+    traces_dir = find_traces_dir(traces_dir, config.traces.dir)
+    if trace is None:
+        trace = default_traces(traces_dir)[1]
+        say(f"[run] replaying {trace}: " + (
+            f"the full eval split from {traces_dir}" if trace.startswith("gptoss20b:") else
+            f"the sample committed in the project (the full traces are not in {traces_dir}; "
+            f"give their folder with --traces-dir or traces.dir)"))
     store, warmup = prepare(home, config, store, warmup, traces_dir, say)
     runtime = Path(config.ipc.runtime_dir) if config.ipc.runtime_dir else \
         Path(tempfile.mkdtemp(prefix="flashmoe-run-"))
@@ -218,7 +229,7 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
     supervisor = None
     try:
         specs = services(store, warmup, runtime, trace, tokens, loop, token_ms,
-                         lambda service: ipc_endpoint(runtime, service))
+                         lambda service: ipc_endpoint(runtime, service), traces_dir)
         specs.append(panel_spec(runtime, config.panel.port, token))
         (runtime / INFO_FILE).unlink(missing_ok=True)
         supervisor = Supervisor(config, runtime, specs)

@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from common.traces import (DEFAULT_TRACES_DIR, Trace, TraceError, load_trace, load_trace_file,
-                           save_trace)
+from common.traces import (DEFAULT_TRACES_DIR, SAMPLE_DIR, SAMPLE_EVAL_TOKENS, SAMPLE_TRAIN_TOKENS,
+                           Trace, TraceError, find_traces_dir, first_sequences, has_full_traces,
+                           load_trace, load_trace_file, save_trace)
 
 needs_traces = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
                                   reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
@@ -63,10 +64,53 @@ def test_trace_file_roundtrip_and_errors(tmp_path):
         Trace("t", experts, np.array([0, 7]), 4, "m")
 
 
-def test_missing_shared_traces_are_a_clear_error(tmp_path):
-    with pytest.raises(TraceError, match="not found"):
-        load_trace("gptoss20b:eval", tmp_path)
+def test_missing_full_traces_are_refused_never_replaced_by_the_sample(tmp_path):
+    for split in ("eval", "dev", "train"):
+        with pytest.raises(TraceError, match=r"--traces-dir.*gptoss20b-sample:train\|eval"):
+            load_trace(f"gptoss20b:{split}", tmp_path)
     with pytest.raises(TraceError, match="split"):
         load_trace("gptoss20b:valid", tmp_path)
-    with pytest.raises(TraceError, match="not found"):  # fit and dev are splits now
-        load_trace("gptoss20b:dev", tmp_path)
+    with pytest.raises(TraceError, match="warp trace not found"):
+        load_trace("warp:olmoe", tmp_path)
+
+
+def test_the_traces_folder_is_the_flag_then_the_setting_then_the_default(tmp_path):
+    assert find_traces_dir(tmp_path / "a", tmp_path / "b") == tmp_path / "a"
+    assert find_traces_dir(None, str(tmp_path / "b")) == tmp_path / "b"
+    assert find_traces_dir(None, "") == DEFAULT_TRACES_DIR
+    assert not has_full_traces(tmp_path)
+
+
+def test_the_committed_sample_is_its_own_trace():
+    train, sample = load_trace("gptoss20b-sample:train"), load_trace("gptoss20b-sample:eval")
+    assert (train.name, sample.name) == ("gptoss20b-sample:train", "gptoss20b-sample:eval")
+    assert train.n_tokens <= SAMPLE_TRAIN_TOKENS and sample.n_tokens >= SAMPLE_EVAL_TOKENS
+    for trace in (train, sample):
+        assert trace.experts.shape[1:] == (24, 4) and trace.num_experts == 32
+        assert trace.probs is not None and trace.model == "gpt-oss-20b"
+        assert len(trace.sequences) == trace.n_sequences
+        assert all(len(s["generated_only"]) >= s["n_decode_tokens"] for s in trace.sequences)
+    assert sum(p.stat().st_size for p in SAMPLE_DIR.iterdir()) <= 5 * 2**20
+    assert (SAMPLE_DIR / "LICENSE").is_file() and (SAMPLE_DIR / "README.md").is_file()
+    with pytest.raises(TraceError, match="choose train, eval"):
+        load_trace("gptoss20b-sample:dev")
+
+
+@needs_traces
+def test_the_sample_is_the_head_of_the_full_splits():
+    for split, tokens, cover in (("train", SAMPLE_TRAIN_TOKENS, False),
+                                 ("eval", SAMPLE_EVAL_TOKENS, True)):
+        head = first_sequences(load_trace(f"gptoss20b:{split}"), tokens, cover=cover)
+        sample = load_trace(f"gptoss20b-sample:{split}")
+        assert np.array_equal(sample.experts, head.experts)
+        assert np.array_equal(sample.offsets, head.offsets)
+        assert np.array_equal(sample.probs, head.probs)
+        assert sample.sequences == head.sequences
+
+
+def test_first_sequences_keeps_whole_sequences():
+    trace = Trace("t", np.zeros((10, 1, 1), np.int16), np.array([0, 3, 7, 10]), 4, "m")
+    assert first_sequences(trace, 8).n_tokens == 7
+    assert first_sequences(trace, 8, cover=True).n_tokens == 10
+    assert first_sequences(trace, 2).n_tokens == 3  # at least one sequence
+    assert first_sequences(trace, 7, cover=True).n_tokens == 7
