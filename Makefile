@@ -7,5 +7,6 @@ setup:
 run: setup
 	.venv/bin/flashmoe run
 
+# The suite, its skips with their reasons (-ra) and the 20 slowest tests.
 test: setup
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest --durations=20

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny real checkpoints, stores made from them, a live cache manager."""
+"""Fixtures (tiny real checkpoints, stores made from them, live cache managers) and the hooks:
+the predictor's fused inference built once, and the `traces` marker resolved once. Helpers the
+test modules share live in tests/support/."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.store import ExpertStore  # noqa: E402
 from flashmoe.convert import convert_checkpoint  # noqa: E402
-from common.bus import control_endpoint_for, ipc_endpoint  # noqa: E402
-from flashmoe.launch import start_cache_manager, stop_process  # noqa: E402
 from flashmoe.tiny_models import build_tiny_model  # noqa: E402
+from tests.support.manager import ManagerHandle  # noqa: E402
+from tests.support.stores import FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM  # noqa: E402
+from tests.support.traces import missing_shared_traces  # noqa: E402
 
 
 def pytest_configure(config) -> None:
@@ -31,10 +33,17 @@ def pytest_configure(config) -> None:
     except BuildError:
         pass
 
-FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
-# Small blocks so that every expert spans several blocks and every stripe.
-TEST_BLOCK_SIZE = 8192
-TEST_PARALLELISM = 3
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `traces` read the full shared traces; where they are absent, every one of
+    them skips with the same reason."""
+    marked = [item for item in items if item.get_closest_marker("traces")]
+    if not marked:
+        return
+    reason = missing_shared_traces()
+    if reason is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
@@ -61,44 +70,6 @@ def store_copy(tiny_store, tmp_path) -> Path:
     return out
 
 
-class ManagerHandle:
-    def __init__(self, store: Path, runtime: Path, overrides: list[str],
-                 env: dict | None = None) -> None:
-        self.endpoint = ipc_endpoint(runtime, "cache")
-        self.control = control_endpoint_for(self.endpoint)
-        self.log_path = runtime / "cache_manager.log"
-        self._log = open(self.log_path, "w")
-        self.proc = start_cache_manager(store, self.endpoint, overrides, log_file=self._log,
-                                        env=env)
-
-    def stats(self) -> dict:
-        from common.bus import stats
-
-        return stats(self.control)
-
-    def wait_for(self, condition, timeout_s: float = 20.0, what: str = "") -> dict:
-        """Poll the control socket's stats until ``condition(stats)`` holds."""
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            current = self.stats()
-            if condition(current):
-                return current
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what or condition}: {current}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def stop(self) -> int:
-        rc = stop_process(self.proc)
-        self._log.close()
-        return rc
-
-
 @pytest.fixture
 def start_manager(tmp_path):
     """Start cache-manager processes; every one is stopped at teardown."""
@@ -115,29 +86,3 @@ def start_manager(tmp_path):
     for handle in handles:
         handle.stop()
 
-
-def uring_available() -> tuple[bool, str]:
-    """(True, "") when the helper is built (rebuilt here when its source is newer), loads, and
-    this process may set up an io_uring instance; else (False, why)."""
-    from services.cache_manager.io_engine import IOEngineError, build_helper, probe_uring
-
-    try:
-        build_helper()
-        probe_uring()
-        return True, ""
-    except IOEngineError as exc:
-        return False, str(exc)
-
-
-def expected_expert_tensors(checkpoint: Path, store: ExpertStore, layer: int, expert: int) -> dict:
-    """The checkpoint's own tensors for one expert, read with the safetensors library."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in checkpoint.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            for t in store.expert(layer, expert).tensors:
-                if t.key in keys:
-                    out[t.name] = f.get_tensor(t.key)
-    return out

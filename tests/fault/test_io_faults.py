@@ -23,7 +23,7 @@ from common.arena import Arena
 from common.store import ExpertStore
 from services.cache_manager.io_engine import (SHORT_READ_BYTES, IOEngineError, IOTimeoutError,
                                               open_engine)
-from tests.conftest import uring_available
+from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()
 KINDS = ["pread", pytest.param("uring", marks=pytest.mark.uring)]

@@ -4,55 +4,23 @@ process, socket file or shared-memory arena behind."""
 
 import json
 import os
-import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from common.config import load_config
-from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
+from common.traces import load_gptoss20b
 from flashmoe.launch import child_env, cli_command
 from flashmoe.learning import warmup
 from flashmoe.synth_store import synth_store
+from tests.support.run_output import RunOutput
+from tests.support.traces import sequences_slice
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+pytestmark = pytest.mark.traces
 SERVICES = ("worker", "cache_manager", "predictor", "feature_extractor")
-
-
-class RunOutput:
-    """The lines `flashmoe run` prints, collected by a thread."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self._thread.start()
-
-    def _read(self, proc) -> None:
-        for line in proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, after: int = 0, timeout_s: float = 120.0) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.lines[after:]:
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            time.sleep(0.1)
-        raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n" +
-                             "\n".join(self.lines[-30:]))
-
-    def tokens(self) -> float:
-        for line in reversed(self.lines):
-            match = re.search(r"\[run\]\s+([\d.]+) tokens", line)
-            if match:
-                return float(match.group(1))
-        return 0.0
 
 
 def pids_of_run(runtime: Path) -> dict[str, int]:
@@ -73,8 +41,6 @@ def pids_of_run(runtime: Path) -> dict[str, int]:
 def test_each_service_killed_in_turn_is_restarted_and_nothing_is_left(tmp_path):
     store = synth_store(tmp_path / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
                         parallelism=2, show_progress=False).path
-    from tests.integration.test_learning_live import sequences_slice
-
     ckpt = tmp_path / "warmup"
     warmup(sequences_slice(load_gptoss20b("train"), "train-slice", 0, 2), load_config(env={}),
            ckpt, passes=1)

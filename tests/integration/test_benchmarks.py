@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from common.traces import DEFAULT_TRACES_DIR
 from flashmoe.cli import main as cli
 
 
@@ -28,8 +27,7 @@ def test_acquire_bench_reports_round_trip_and_floor(tiny_store, tmp_path):
         assert lo <= fig["median_us"] <= hi
 
 
-@pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "warp").is_dir(),
-                    reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+@pytest.mark.traces
 def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     assert cli(["bench", "--trace", "warp:olmoe", "--scope", "layer", "--capacity", "0.125,0.25",
@@ -45,8 +43,7 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     assert "unknown policies" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                    reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+@pytest.mark.traces
 def test_bus_bench_counts_every_stage(tmp_path):
     out = tmp_path / "bus.json"
     assert cli(["bus-bench", "--events", "2000", "--rates", "50", "--seconds", "2",

@@ -11,7 +11,8 @@ import torch
 from common.cache_client import CacheClient
 from common.config import load_config
 from common.store import ExpertStore
-from tests.conftest import expected_expert_tensors, uring_available
+from tests.support.stores import expected_expert_tensors
+from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()
 

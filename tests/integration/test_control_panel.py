@@ -21,13 +21,11 @@ from pathlib import Path
 import pytest
 
 from common.config import describe_fields, load_config
-from common.traces import DEFAULT_TRACES_DIR, Trace, load_gptoss20b
+from common.traces import Trace, load_gptoss20b
 from flashmoe.launch import child_env, cli_command
 from flashmoe.synth_store import synth_store
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                                 reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")]
+pytestmark = [pytest.mark.slow, pytest.mark.traces]
 TOKEN = "panel-test-token"
 TOKEN_MS = 40.0
 STATIC = Path(__file__).resolve().parents[2] / "services" / "control_panel" / "static"

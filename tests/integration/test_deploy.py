@@ -1,7 +1,7 @@
 """`flashmoe deploy` against a stand-in Docker Engine, and the deployment files themselves.
 
 No Docker engine runs on these machines, so `deploy up|status|down` drive a stand-in engine
-(tests/docker_standin.py) through the real Docker SDK over a real unix socket. The stand-in
+(tests/support/docker_standin.py) through the real Docker SDK over a real unix socket. The stand-in
 checks every request against the Engine API's published definition (moby's swagger.yaml)
 and refuses what it does not allow; what it cannot show is what a real engine then does with
 an allowed request (start processes, apply seccomp, mount /dev/shm): README's "Deployment"
@@ -32,7 +32,7 @@ from flashmoe.deploy import (
     interpolate,
     load_project,
 )
-from tests.docker_standin import DockerStandin, EngineApiSpec
+from tests.support.docker_standin import DockerStandin, EngineApiSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"

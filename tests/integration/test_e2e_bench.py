@@ -7,19 +7,17 @@ import json
 import pytest
 
 from common.config import load_config
-from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
+from common.traces import load_gptoss20b
 from flashmoe import e2e_bench
 from flashmoe.learning import warmup
+from tests.support.traces import sequences_slice
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+pytestmark = pytest.mark.traces
 KEYS = {"mode", "budget_fraction", "tokens_per_s", "ms_per_token_p50", "ms_per_token_p99",
         "ssd_mb_per_s", "bytes_read", "peak_pss_bytes", "stall_free_rate"}
 
 
 def test_every_mode_runs_and_reports(tmp_path):
-    from tests.integration.test_learning_live import sequences_slice
-
     ckpt = tmp_path / "warmup"
     warmup(sequences_slice(load_gptoss20b("train"), "train-slice", 0, 2), load_config(env={}),
            ckpt, passes=1)
@@ -45,8 +43,6 @@ def test_every_mode_runs_and_reports(tmp_path):
 def test_a_trace_of_another_topology_is_refused_by_name(tmp_path):
     from common.traces import TraceError
 
-    if not (DEFAULT_TRACES_DIR / "warp").is_dir():
-        pytest.skip(f"warp traces not found at {DEFAULT_TRACES_DIR}")
     with pytest.raises(TraceError, match="16 layers x 64 experts, top-8.*24 x 32, top-4"):
         e2e_bench.e2e_bench(tmp_path / "work", 1.0, [0.25], 4, 1, ["ram"], "",
                             trace="warp:olmoe", shape="gpt-oss-tiny")

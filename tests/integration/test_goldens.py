@@ -5,11 +5,9 @@ import json
 
 import pytest
 
-from common.traces import DEFAULT_TRACES_DIR
-from tests.goldens.regenerate import GOLDEN_PATH, compute
+from tests.support.goldens import GOLDEN_PATH, compute
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "warp").is_dir(),
-                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+pytestmark = pytest.mark.traces
 
 
 def test_goldens_on_warp_olmoe():

@@ -11,7 +11,7 @@ from common.store import ExpertStore
 from flashmoe import io_bench
 from flashmoe.cli import main as cli
 from flashmoe.convert import convert_checkpoint
-from tests.conftest import uring_available
+from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()
 FIO_MISSING = io_bench.fio_missing()

@@ -3,11 +3,10 @@
 import pytest
 
 from common.config import load_config
-from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
+from common.traces import load_gptoss20b
 from flashmoe import learner_cpu
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+pytestmark = pytest.mark.traces
 
 
 def test_a_row_per_pause_and_mode_with_the_stages():

@@ -13,23 +13,16 @@ import zmq
 from common.bus import Publisher, ServiceUnavailable, stats
 from common.config import load_config
 from common.protocol import SCHEMA_VERSION, AccessEvent, encode
-from common.traces import DEFAULT_TRACES_DIR, Trace, load_gptoss20b, save_trace
+from common.traces import load_gptoss20b, save_trace
 from flashmoe.device_model import DEVICES
 from flashmoe.launch import Launcher, child_env, cli_command
 from flashmoe.learning import LearningPath, Learning
 from flashmoe.simulator import replay_core
 from flashmoe.synth_store import synth_store
+from tests.support.traces import sequences_slice
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                                reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
+pytestmark = pytest.mark.traces
 TOKEN_MS = 120.0  # the worker's pace: a decode step of a real model on an edge box
-
-
-def sequences_slice(trace: Trace, name: str, first: int, count: int) -> Trace:
-    a, b = int(trace.offsets[first]), int(trace.offsets[first + count])
-    return Trace(name, trace.experts[a:b], trace.offsets[first:first + count + 1] - a,
-                 trace.num_experts, trace.model, trace.probs[a:b],
-                 trace.sequences[first:first + count])
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ import os
 import numpy as np
 import pytest
 
-from common.traces import DEFAULT_TRACES_DIR, Trace, load_trace
+from common.traces import Trace, load_trace
 from flashmoe.simulator import build_requests, capacity_for, next_use_positions, replay
 from services.cache_manager.policies.belady import NEVER
 
 lcs = pytest.importorskip("libcachesim", reason="libcachesim (test-only peer) not installed")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-    reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")]
+pytestmark = [pytest.mark.slow, pytest.mark.traces]
 
 SEQUENCES = int(os.environ.get("CROSSCHECK_SEQUENCES", "40"))
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5)

@@ -238,18 +238,17 @@ def test_tls_settings_reach_the_connection(tmp_path):
 
 # --- live: `flashmoe run --redis` --------------------------------------------------------------
 
+@pytest.mark.traces
 def test_flashmoe_run_shares_keeps_serving_without_redis_and_a_peer_warm_starts(server,
                                                                                tmp_path):
     from common.store import ExpertStore
-    from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
+    from common.traces import load_gptoss20b
     from flashmoe.launch import child_env, cli_command
     from flashmoe.learning import warmup
     from flashmoe.synth_store import synth_store
-    from tests.fault.test_run_faults import RunOutput
-    from tests.integration.test_learning_live import sequences_slice
+    from tests.support.run_output import RunOutput
+    from tests.support.traces import sequences_slice
 
-    if not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir():
-        pytest.skip(f"shared traces not found at {DEFAULT_TRACES_DIR}")
     store = synth_store(tmp_path / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
                         parallelism=2, show_progress=False).path
     ckpt = tmp_path / "warmup"

@@ -34,7 +34,7 @@ from flashmoe.tiny_models import build_tiny_model
 from services.cache_manager.io_engine import PreadEngine
 from services.inference_worker.generate import arena_fetch, generate
 from services.inference_worker.model_runner import WEIGHT_ALIGN, ArenaExperts, ModelRunner
-from tests.conftest import TEST_BLOCK_SIZE, TEST_PARALLELISM
+from tests.support.stores import TEST_BLOCK_SIZE, TEST_PARALLELISM
 
 LAYERS, EXPERTS, TOP_K = 3, 16, 4
 CAPACITY = 2 * TOP_K + 2  # 10 slots for 48 experts: evictions all the time

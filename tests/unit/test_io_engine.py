@@ -14,7 +14,7 @@ from common.store import ExpertStore
 from services.cache_manager import io_engine
 from services.cache_manager.io_engine import (IOEngine, IOEngineError, PreadEngine, UringEngine,
                                               open_engine, parse_fault_spec)
-from tests.conftest import uring_available
+from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()
 KINDS = ["pread", pytest.param("uring", marks=pytest.mark.uring)]

@@ -19,7 +19,8 @@ from common.store import (ALIGN, CONFIG_NAME, FORMAT_VERSION, MANIFEST_NAME, NON
 from flashmoe.cli import main as cli
 from flashmoe.convert import convert_checkpoint
 from services.cache_manager.io_engine import PreadEngine
-from tests.conftest import FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM, expected_expert_tensors
+from tests.support.stores import (FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM,
+                                  expected_expert_tensors)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

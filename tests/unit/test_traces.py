@@ -1,4 +1,5 @@
-"""Trace loaders (shared traces skip when ../shared/traces is absent) and the trace file."""
+"""Trace loaders (those marked `traces` skip when the shared traces are absent) and the trace
+file."""
 
 import json
 
@@ -9,11 +10,8 @@ from common.traces import (DEFAULT_TRACES_DIR, SAMPLE_DIR, SAMPLE_EVAL_TOKENS, S
                            Trace, TraceError, find_traces_dir, first_sequences, has_full_traces,
                            load_trace, load_trace_file, save_trace)
 
-needs_traces = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
-                                  reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
 
-
-@needs_traces
+@pytest.mark.traces
 def test_gptoss_eval_split_matches_the_readme():
     trace = load_trace("gptoss20b:eval")
     assert trace.n_sequences == 218 and trace.n_tokens == 79265
@@ -25,7 +23,7 @@ def test_gptoss_eval_split_matches_the_readme():
         "Polyglot-or-Not_Fact-Completion", "tulu3_persona_if"}
 
 
-@needs_traces
+@pytest.mark.traces
 def test_gptoss_train_split_and_repetition_filter():
     train, everything = load_trace("gptoss20b:train"), load_trace("gptoss20b:all")
     assert train.n_sequences + 218 == everything.n_sequences == 494
@@ -34,7 +32,7 @@ def test_gptoss_train_split_and_repetition_filter():
     assert np.all(np.diff(train.offsets) == [s["n_decode_tokens"] for s in train.sequences])
 
 
-@needs_traces
+@pytest.mark.traces
 @pytest.mark.parametrize("which, shape", [("olmoe", (299, 16, 8)), ("kimi", (300, 26, 8))])
 def test_warp_traces(which, shape):
     trace = load_trace(f"warp:{which}")
@@ -96,7 +94,7 @@ def test_the_committed_sample_is_its_own_trace():
         load_trace("gptoss20b-sample:dev")
 
 
-@needs_traces
+@pytest.mark.traces
 def test_the_sample_is_the_head_of_the_full_splits():
     for split, tokens, cover in (("train", SAMPLE_TRAIN_TOKENS, False),
                                  ("eval", SAMPLE_EVAL_TOKENS, True)):

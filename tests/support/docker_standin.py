@@ -29,7 +29,7 @@ if that one is running with ``IpcMode: shareable``. Healthchecks do not run: a s
 container with a healthcheck reports ``starting`` for ``health_inspections`` inspections,
 then ``healthy`` (or ``unhealthy`` when its name is in ``unhealthy``).
 
-Run it alone: ``python -m tests.docker_standin /tmp/docker.sock``, then
+Run it alone: ``python -m tests.support.docker_standin /tmp/docker.sock``, then
 ``flashmoe deploy up --docker-host unix:///tmp/docker.sock``.
 """
 
@@ -52,7 +52,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
-SPEC_PATH = Path(__file__).parent / "data" / "moby" / "swagger.yaml"
+SPEC_PATH = Path(__file__).resolve().parents[1] / "data" / "moby" / "swagger.yaml"
 _BOOL_WORDS = {"1": True, "t": True, "T": True, "TRUE": True, "true": True, "True": True,
                "0": False, "f": False, "F": False, "FALSE": False, "false": False,
                "False": False}  # Go's strconv.ParseBool, which the engine uses

@@ -1,0 +1,27 @@
+"""The tiny checkpoints' families, how their stores are written, and the tensors a store must give
+back for an expert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.store import ExpertStore
+
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+# Small blocks so that every expert spans several blocks and every stripe.
+TEST_BLOCK_SIZE = 8192
+TEST_PARALLELISM = 3
+
+
+def expected_expert_tensors(checkpoint: Path, store: ExpertStore, layer: int, expert: int) -> dict:
+    """The checkpoint's own tensors for one expert, read with the safetensors library."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            for t in store.expert(layer, expert).tensors:
+                if t.key in keys:
+                    out[t.name] = f.get_tensor(t.key)
+    return out
