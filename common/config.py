@@ -125,17 +125,16 @@ class FeaturesConfig:
 @dataclass
 class PredictorConfig:
     model: str = field(default="linear", metadata=_spec(
-        "Predictor network: the linear model of the per-layer features, or a 2-layer LSTM "
-        "over the token stream on the same inputs (on dev the LSTM closed 0.9-1.2 points "
-        "less of the LRU-Belady gap, for more CPU).", choices=("lstm", "linear")))
+        "Predictor network: a linear model of the per-layer features, or a 2-layer LSTM "
+        "over the token stream on the same inputs (default chosen on dev).",
+        choices=("lstm", "linear")))
     lstm_hidden: int = field(default=64, metadata=_spec(
         "LSTM hidden size of the predictor (predictor.model = lstm).", choices=(32, 64, 128)))
     window_tokens: int = field(default=32, metadata=_spec(
         "Sliding training window, in tokens (one token is top-k x layers expert accesses).",
         lo=4, hi=4096))
     train_every_tokens: int = field(default=64, metadata=_spec(
-        "Tokens between online training steps (64: on dev the same hit rate as 32 within "
-        "0.05 points, for 16% less learner CPU).", lo=1, hi=100_000))
+        "Tokens between online training steps (default chosen on dev).", lo=1, hi=100_000))
     learning_rate: float = field(default=2e-3, metadata=_spec(
         "Adam learning rate of the heads (and the LSTM); the per-expert bias and the shared "
         "per-expert weights learn at 5x it.", lo=1e-5, hi=1.0))
@@ -146,8 +145,8 @@ class PredictorConfig:
         "Weight of the EWC penalty during an elastic update (after a drift).", lo=0.0,
         hi=1000.0, live=True))
     drift: bool = field(default=False, metadata=_spec(
-        "Page-Hinkley drift detector on the prediction loss; a drift starts an elastic "
-        "update (off: on dev it cost 0.8-1.3 points of the gap; the 32-token window already "
+        "Page-Hinkley drift detector on the prediction loss; a detected drift starts an "
+        "elastic update (off by default, chosen on dev: the sliding training window already "
         "follows a new task).", live=True))
     drift_threshold: float = field(default=2.0, metadata=_spec(
         "Page-Hinkley threshold (lambda) of the drift detector.", lo=0.01, hi=1000.0,
@@ -158,13 +157,12 @@ class PredictorConfig:
         "Precision of the per-layer heads in the fused C inference (a copy made after each "
         "training step; training stays fp32): bf16 halves the bytes a token's inference "
         "reads, int8 (one scale per output, inputs in fp32) quarters them. A live predictor "
-        "wakes with cold caches, where the bytes set the cost; on dev int8 and bf16 differ by "
-        "2 hits in 1.12 M.",
+        "wakes with cold caches, where the bytes read set the cost.",
         choices=("fp32", "bf16", "int8")))
     publish_interval_ms: int = field(default=20, metadata=_spec(
-        "Least time between Prediction messages. The predictor makes an estimate every token "
-        "anyway; 20 ms sends nearly every one (on dev at 25%/50% of the experts it beat "
-        "100 ms by 4 and 7 points of gap closed).", lo=1, hi=60_000))
+        "Least time between Prediction messages, in ms. The predictor makes an estimate "
+        "every token; 20 ms sends nearly every one (default chosen on dev).", lo=1,
+        hi=60_000))
     max_age_ms: int = field(default=2000, metadata=_spec(
         "A prediction older than this is not used: the cache manager falls back to LRU.",
         lo=10, hi=3_600_000, live=True))
@@ -188,8 +186,7 @@ class PrefetchConfig:
     inline_with_learned: bool = field(default=False, metadata=_spec(
         "The inline prefetcher hints while FlashMoE's look-ahead prefetch runs on a usable "
         "estimate too (off: it hints only while there is none, as in the LRU fallback, and "
-        "keeps learning meanwhile; on dev beside the look-ahead it cost 4.9 points of "
-        "stall-free rate at 12.5% of the experts and read more).", live=True))
+        "keeps learning meanwhile; default chosen on dev).", live=True))
     threshold: float = field(default=0.55, metadata=_spec(
         "The inline prefetcher hints an expert whose predicted chance of use reaches this.",
         lo=0.0, hi=1.0, live=True))
@@ -199,18 +196,15 @@ class PrefetchConfig:
         "than the resident expert they would evict (0: off).", lo=0, hi=64, live=True))
     learned_ratio: float = field(default=6.0, metadata=_spec(
         "A look-ahead prefetch's expected next use must be at most 1/ratio of its victim's "
-        "(both in layer steps from now). On dev at 12.5%/25% of the experts, stall-free rate "
-        "over the demand hit rate and bytes over demand-only: 5 -> 6.3 points at 1.16x at "
-        "25%; 6 -> 10.6/5.9 points at 1.09x/1.13x; 8 -> 9.6/5.3 at 1.06x/1.10x.",
+        "(both in layer steps from now; default chosen on dev).",
         lo=1.0, hi=1000.0, live=True))
     learned_margin: float = field(default=0.0, metadata=_spec(
         "Tokens by which a look-ahead prefetch's expected next use must also come before its "
-        "victim's (the former rule, a margin of 4 alone with no skip, gave 0.9/3.8 points at "
-        "1.01x/1.11x on dev).", lo=0.0, hi=1000.0, live=True))
+        "victim's (0: no margin; the ratio alone decides).", lo=0.0, hi=1000.0, live=True))
     learned_skip: int = field(default=1, metadata=_spec(
         "Layers right after the current one that the look-ahead prefetch leaves alone: a "
-        "read started now would still be in flight when they ask (on dev 0 lost 1.9/0.6 "
-        "points against 1, and 2 lost 0.4/0.1).", lo=0, hi=64, live=True))
+        "read started now would still be in flight when they ask (default chosen on dev).",
+        lo=0, hi=64, live=True))
 
 
 @dataclass
