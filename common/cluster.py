@@ -231,11 +231,11 @@ def extractor_patterns(core, device: str) -> Patterns:
     encode outside it)."""
     fx = core.features
     rows = len(fx.token_row)
-    seen = float(fx.tab_n[:rows].sum())
-    popularity = fx.tab_c[:rows].sum(0) / seen if seen else np.zeros(fx.N, np.float32)
+    seen = float(fx.token_seen[:rows].sum())
+    popularity = fx.token_uses[:rows].sum(0) / seen if seen else np.zeros(fx.N, np.float32)
     pca = core.pca.state()
-    return Patterns(device, int(fx.t), popularity.astype(np.float32), fx.tr_c.copy(),
-                    fx.tr_n.copy(),
+    return Patterns(device, int(fx.t), popularity.astype(np.float32), fx.transition_counts.copy(),
+                    fx.transition_sources.copy(),
                     {"mean": pca["mean"].astype(np.float32), "cov": pca["cov"].astype(np.float32),
                      "basis": np.asarray(pca["basis"], np.float32),
                      "counters": np.asarray(pca["counters"], np.float64)})
@@ -381,9 +381,9 @@ def apply_to_extractor(core, warm: WarmStart, local_tokens: int = 0) -> None:
     checkpoint's), and it takes the PCA the chosen peer's predictor was trained on."""
     fx = core.features
     own = local_tokens / (local_tokens + warm.tokens) if local_tokens else 0.0
-    fx.ema[64] = (own * fx.ema[64] + (1 - own) * warm.popularity).astype(np.float32)
-    fx.tr_c = fx.tr_c + warm.transitions
-    fx.tr_n = fx.tr_n + warm.transition_rows
+    fx.long_run_freq = (own * fx.long_run_freq + (1 - own) * warm.popularity).astype(np.float32)
+    fx.transition_counts = fx.transition_counts + warm.transitions
+    fx.transition_sources = fx.transition_sources + warm.transition_rows
     if warm.pca is not None:
         core.pca.load_state({"mean": warm.pca["mean"].astype(np.float64),
                              "cov": warm.pca["cov"].astype(np.float64),

@@ -103,8 +103,9 @@ def test_two_devices_exchange_and_a_warm_start_merges_the_peer(server, tmp_path)
     pop_b = extractor_patterns(b.extractor, "b").popularity
     np.testing.assert_allclose(warm.popularity, 0.25 * pop_a + 0.75 * pop_b, rtol=1e-5)
     apply_to_extractor(c.extractor, warm)
-    np.testing.assert_array_equal(c.extractor.features.tr_c,
-                                  a.extractor.features.tr_c + b.extractor.features.tr_c)
+    np.testing.assert_array_equal(c.extractor.features.transition_counts,
+                                  a.extractor.features.transition_counts +
+                                  b.extractor.features.transition_counts)
     np.testing.assert_array_equal(c.extractor.pca.basis, b.extractor.pca.basis)
     c.learner.load(write_predictor_checkpoint(warm, tmp_path / "from-peer"))
     for mine, theirs in zip(c.learner.net.parameters(), b.learner.net.parameters()):

@@ -115,8 +115,8 @@ def test_warm_start_reaches_the_extractor_and_the_learner(tmp_path):
     fresh = Learning.create(L, E, K, config())
     apply_to_extractor(fresh.extractor, warm)
     fx = fresh.extractor.features
-    np.testing.assert_allclose(fx.ema[64], warm.popularity)
-    np.testing.assert_array_equal(fx.tr_c, peer.extractor.features.tr_c)
+    np.testing.assert_allclose(fx.long_run_freq, warm.popularity)
+    np.testing.assert_array_equal(fx.transition_counts, peer.extractor.features.transition_counts)
     np.testing.assert_array_equal(fresh.extractor.pca.basis, peer.extractor.pca.basis)
     folder = write_predictor_checkpoint(warm, tmp_path / "ckpt")
     fresh.learner.load(folder)

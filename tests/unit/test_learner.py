@@ -72,8 +72,8 @@ def test_transition_counts_count_each_pair_of_consecutive_tokens_once():
                     for dst in experts[layer]:
                         want[layer, src, dst] += 1
         prev = experts
-    np.testing.assert_array_equal(fx.tr_c, want)
-    np.testing.assert_array_equal(fx.tr_n, want.sum(2) / K)
+    np.testing.assert_array_equal(fx.transition_counts, want)
+    np.testing.assert_array_equal(fx.transition_sources, want.sum(2) / K)
 
 
 def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
