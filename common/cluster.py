@@ -249,7 +249,7 @@ def learner_patterns(learner) -> tuple[dict[str, np.ndarray], dict]:
     weights = {f"net.{k}": v.detach().to(torch.float16).numpy().copy()
                for k, v in learner.net.state_dict().items()}
     meta = {"L": learner.L, "E": learner.E, "dims": learner.dims, "features": learner.features,
-            "model": learner.params.model, "hidden": learner.params.hidden,
+            "model": learner.config.model, "hidden": learner.config.lstm_hidden,
             "tokens": learner.t, "steps": learner.steps}
     return weights, meta
 

@@ -32,7 +32,7 @@ from flashmoe.simulator import SIM_WORKER, ReplayHooks
 from services.cache_manager.core import CacheManagerCore
 from services.feature_extractor.core import (FEATURES, ExtractorCore, load_checkpoint,
                                              save_checkpoint)
-from services.predictor.core import Learner, LearnerParams
+from services.predictor.core import Learner
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Learning:
         extractor = ExtractorCore(num_layers, num_experts, top_k,
                                   config.features.pca_components)
         learner = Learner(num_layers, num_experts, extractor.pca.out_dim, len(FEATURES),
-                          LearnerParams.from_config(config))
+                          config.predictor)
         return cls(extractor, learner)
 
     def on_token(self, stream: TokenStream, trace: Trace, t: int) -> np.ndarray | None:

@@ -34,7 +34,7 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .core import Learner, LearnerParams, next_token_recall
+from .core import Learner, next_token_recall
 
 
 class PredictorService(Service):
@@ -101,8 +101,7 @@ class PredictorService(Service):
         self.publisher.close()
 
     def _make_learner(self, dims: int, features: int) -> Learner:
-        learner = Learner(self.layers, self.experts, dims, features,
-                          LearnerParams.from_config(self.config))
+        learner = Learner(self.layers, self.experts, dims, features, self.config.predictor)
         for source in (self.checkpoint_dir, self.cluster_checkpoint, self.warmup):
             if source and (Path(source) / "predictor.json").is_file():
                 try:
@@ -175,24 +174,24 @@ class PredictorService(Service):
         self.counters["checkpoints"] += 1
 
     def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:
-        """EWC weights and the drift detector, live (the learner reads its params at each
+        """EWC weights and the drift detector, live (the learner reads its settings at each
         step; a learner not made yet takes them from self.config)."""
-        names = {"predictor.ewc_strength": "ewc_strength", "predictor.ewc_lambda": "ewc_lambda",
-                 "predictor.drift": "drift", "predictor.drift_threshold": "drift_threshold"}
-        applied = [key for key in changes if key in names]
+        live = ("predictor.ewc_strength", "predictor.ewc_lambda", "predictor.drift",
+                "predictor.drift_threshold")
+        applied = [key for key in changes if key in live]
         if not check and self.learner is not None and applied:
             import dataclasses
 
-            from .core import PageHinkley
+            from .core import DRIFT_DELTA, PageHinkley
 
             learner = self.learner
-            learner.params = dataclasses.replace(
-                learner.params, **{names[key]: changes[key] for key in applied})
-            p = learner.params
+            learner.config = dataclasses.replace(
+                learner.config, **{key.split(".", 1)[1]: changes[key] for key in applied})
+            p = learner.config
             if not p.drift:
                 learner.drift = None
             elif learner.drift is None:
-                learner.drift = PageHinkley(p.drift_delta, p.drift_threshold)
+                learner.drift = PageHinkley(DRIFT_DELTA, p.drift_threshold)
             else:
                 learner.drift.threshold = p.drift_threshold
         return applied, {}
@@ -203,7 +202,7 @@ class PredictorService(Service):
             out.update(cluster_stats(self.cluster.link, self.warm_start))
         if self.learner is not None:
             tokens = max(self.learner.t, 1)
-            out.update(model=self.learner.params.model, inference=self.learner.inference,
+            out.update(model=self.learner.config.model, inference=self.learner.inference,
                        tokens=self.learner.t,
                        steps=self.learner.steps, drifts=len(self.learner.drifts),
 
