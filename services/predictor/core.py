@@ -297,8 +297,8 @@ class Learner:
         tmp = folder / "predictor.safetensors.tmp"
         save_file(tensors, str(tmp))
         tmp.replace(folder / "predictor.safetensors")
-        meta = {"params": checkpoint_params(self.config), "L": self.L, "E": self.E, "dims": self.dims,
-                "features": self.features, "tokens": self.t, "steps": self.steps,
+        meta = {"params": checkpoint_params(self.config), "L": self.L, "E": self.E,
+                "dims": self.dims, "features": self.features, "tokens": self.t, "steps": self.steps,
                 "drifts": len(self.drifts), **(extra or {})}
         tmp = folder / "predictor.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1))

@@ -7,7 +7,7 @@ weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
 ``predictor.checkpoint_every_s`` and at shutdown; a restarted predictor resumes from there
 (else from the warm-up checkpoint, else cold). With ``cluster.redis_url``, a first start
 takes the weights of the peer with the most tokens before the warm-up checkpoint
-(common/cluster.py), and a thread publishes this device's weights.
+(common/cluster.py; what it shares: sharing.py), and a thread publishes this device's weights.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import zmq
 from common.bus import Publisher, SeqGaps, Subscriber
 from common.cluster import (
     ClusterAgent,
+    ModelShape,
     cluster_stats,
-    learner_patterns,
     merge,
     open_link,
     predictor_values,
-    write_predictor_checkpoint,
 )
 from common.config import FlashMoEConfig
 from common.protocol import FeatureBatch, LearningMessage, Prediction
@@ -35,13 +34,15 @@ from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
 from .core import Learner, next_token_recall
+from .sharing import learner_patterns, write_predictor_checkpoint
 
 
 class PredictorService(Service):
     name = "predictor"
 
     def __init__(self, config: FlashMoEConfig, features: list[str], publish: str,
-                 control_endpoint: str, checkpoint_dir: str, warmup: str | None = None) -> None:
+                 control_endpoint: str, checkpoint_dir: str, warmup: str | None = None,
+                 cluster_shape: ModelShape | None = None) -> None:
         super().__init__(config, control_endpoint)
         manifest = ExpertStore.open(config.store.path).manifest
         self.layers, self.experts = len(manifest.moe_layers), manifest.num_experts
@@ -64,14 +65,18 @@ class PredictorService(Service):
         self.cluster_checkpoint: Path | None = None  # the chosen peer's weights, as a folder
         self.warm_start: dict | None = None
         if config.cluster.redis_url:
-            self._join_cluster(manifest)
+            self._join_cluster(manifest, cluster_shape)
         self.counters.update(batches=0, predictions=0, checkpoints=0, n_gap=0,
                              n_out_of_order=0, rejected_unexpected=0, rejected_shape=0)
 
-    def _join_cluster(self, manifest) -> None:
-        """A first start (no checkpoint of its own) takes the peer's weights; then the agent
-        publishes this device's on its own thread."""
-        link, shape = open_link(self.config, manifest)
+    def _join_cluster(self, manifest, shape: ModelShape | None) -> None:
+        """A first start (no checkpoint of its own) takes the weights of a peer whose values
+        have this device's ``shape``; then the agent publishes this device's on its own
+        thread."""
+        if shape is None:
+            raise ValueError("cluster.redis_url is set but the shapes of the peers' values "
+                             "were not given (cluster_shape)")
+        link = open_link(self.config, manifest)
         if not (self.checkpoint_dir / "predictor.json").is_file():
             warm = merge(link.fetch_peers(shape))
             if warm is not None:
@@ -215,8 +220,11 @@ class PredictorService(Service):
 
 def run_predictor_process(config: FlashMoEConfig, features: list[str], publish: str,
                           control_endpoint: str, checkpoint_dir: str,
-                          warmup: str | None = None) -> int:
+                          warmup: str | None = None,
+                          cluster_shape: ModelShape | None = None) -> int:
+    """``cluster_shape``: what the peers' shared values must look like (needed with
+    ``cluster.redis_url``)."""
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: PredictorService(config, features, publish,
                                                         control_endpoint, checkpoint_dir,
-                                                        warmup))
+                                                        warmup, cluster_shape))
