@@ -15,6 +15,13 @@ fingerprint hashes the store manifest's model identity (family, layers, experts,
 experts' tensor shapes and dtypes), never a path: two devices share keys only when their
 features mean the same thing.
 
+Each service owns what it shares (services/feature_extractor/sharing.py and
+services/predictor/sharing.py): it makes this device's ``Patterns`` from its state, declares
+the shapes of its arrays and takes a ``WarmStart`` in. This module carries the values, checks
+them against the shapes it is handed (``ModelShape``, which the app composes from both
+declarations: each process checks every part, so that all of a device's services take the
+same peers) and merges them.
+
 Every value is an envelope: ``MAGIC``, a version, a JSON header (what, device, generation,
 tokens, body length, SHA-256 of the body) and the body (safetensors for arrays; never
 pickle). A read checks the size (``cluster.max_bytes`` per device), magic, version, checksum,
@@ -65,7 +72,6 @@ EXTRACTOR_PARTS = ("tokens", "popularity", "transitions", "pca")
 PREDICTOR_PARTS = ("predictor.safetensors", "predictor.json")
 PARTS = EXTRACTOR_PARTS + PREDICTOR_PARTS
 BACKOFF_START_S = 0.5
-PCA_COUNTERS = 3  # OnlinePCA.state()["counters"]: n, weight, variance kept
 
 
 class PayloadError(ValueError):
@@ -164,51 +170,20 @@ def decode_arrays(body: bytes, what: str,
 
 # --- what a device shares -----------------------------------------------------------------------
 
+# {what: {array name: (dtype, shape)}}: the arrays of each value that holds some.
+ArraySpecs = dict[str, dict[str, tuple[np.dtype, tuple[int, ...]]]]
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What shape every shared array must have on this device."""
-    layers: int
-    experts: int
-    pca_dim: int  # the extractor's raw per-layer vector
-    pca_components: int  # 0: no PCA
-    predictor: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    predictor_meta: dict = field(default_factory=dict)  # L, E, dims, features, model, hidden
-
-    @property
-    def n(self) -> int:
-        return self.layers * self.experts
+    """What every shared array must look like on this device, as the services that publish
+    them declare it (services/<name>/sharing.py), and the hyper-parameters a peer's
+    ``predictor.json`` must have (``predictor_meta``: its keys and this device's values)."""
+    arrays: ArraySpecs
+    predictor_meta: dict = field(default_factory=dict)
 
     def expected(self, what: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        L, E, D, k = self.layers, self.experts, self.pca_dim, self.pca_components
-        f32 = np.dtype(np.float32)
-        if what == "popularity":
-            return {"popularity": (f32, (self.n,))}
-        if what == "transitions":
-            return {"counts": (f32, (L, E, E)), "rows": (f32, (L, E))}
-        if what == "pca":
-            return {"mean": (f32, (D,)), "cov": (f32, (D, D)),
-                    "basis": (f32, (k, D) if k else (0,)),
-                    "counters": (np.dtype(np.float64), (PCA_COUNTERS,))}
-        if what == "predictor.safetensors":
-            return {name: (np.dtype(np.float16), shape)
-                    for name, shape in self.predictor.items()}
-        raise KeyError(what)
-
-    @classmethod
-    def of(cls, layers: int, experts: int, features_config, predictor_config) -> ModelShape:
-        """This device's shapes, from its config (what the extractor and predictor build)."""
-        from services.feature_extractor.core import FEATURES, RAW
-        from services.predictor.model import Net
-
-        dim = experts * len(RAW)
-        k = min(features_config.pca_components, dim)
-        dims = k or dim
-        net = Net(layers, experts, dims, len(FEATURES), predictor_config.model,
-                  predictor_config.lstm_hidden)
-        shapes = {f"net.{name}": tuple(value.shape) for name, value in net.state_dict().items()}
-        meta = {"L": layers, "E": experts, "dims": dims, "features": len(FEATURES),
-                "model": predictor_config.model, "hidden": predictor_config.lstm_hidden}
-        return cls(layers, experts, dim, k, shapes, meta)
+        return self.arrays[what]
 
 
 @dataclass
@@ -224,34 +199,6 @@ class Patterns:
     pca: dict[str, np.ndarray] | None = None
     predictor: dict[str, np.ndarray] | None = None  # the Net's state_dict as "net.<name>"
     predictor_meta: dict | None = None
-
-
-def extractor_patterns(core, device: str) -> Patterns:
-    """A copy of what an ``ExtractorCore`` learned (cheap: call it under the service's lock,
-    encode outside it)."""
-    fx = core.features
-    rows = len(fx.token_row)
-    seen = float(fx.tab_n[:rows].sum())
-    popularity = fx.tab_c[:rows].sum(0) / seen if seen else np.zeros(fx.N, np.float32)
-    pca = core.pca.state()
-    return Patterns(device, int(fx.t), popularity.astype(np.float32), fx.tr_c.copy(),
-                    fx.tr_n.copy(),
-                    {"mean": pca["mean"].astype(np.float32), "cov": pca["cov"].astype(np.float32),
-                     "basis": np.asarray(pca["basis"], np.float32),
-                     "counters": np.asarray(pca["counters"], np.float64)})
-
-
-def learner_patterns(learner) -> tuple[dict[str, np.ndarray], dict]:
-    """(weights as float16, meta) of a predictor ``Learner``: what a peer needs to start from
-    (not the EWC anchor or Fisher, which are this device's own history)."""
-    import torch
-
-    weights = {f"net.{k}": v.detach().to(torch.float16).numpy().copy()
-               for k, v in learner.net.state_dict().items()}
-    meta = {"L": learner.L, "E": learner.E, "dims": learner.dims, "features": learner.features,
-            "model": learner.params.model, "hidden": learner.params.hidden,
-            "tokens": learner.t, "steps": learner.steps}
-    return weights, meta
 
 
 def extractor_values(patterns: Patterns, generation: int) -> dict[str, bytes]:
@@ -374,49 +321,9 @@ def merge(peers: list[Patterns]) -> WarmStart | None:
     return out
 
 
-def apply_to_extractor(core, warm: WarmStart, local_tokens: int = 0) -> None:
-    """Start an ``ExtractorCore`` from a warm start: its long-run popularity (the prior every
-    table estimate is smoothed towards) and transition counts become the token-weighted mix
-    of the peers' and its own (``local_tokens``: what its own tables cover, e.g. a warm-up
-    checkpoint's), and it takes the PCA the chosen peer's predictor was trained on."""
-    fx = core.features
-    own = local_tokens / (local_tokens + warm.tokens) if local_tokens else 0.0
-    fx.ema[64] = (own * fx.ema[64] + (1 - own) * warm.popularity).astype(np.float32)
-    fx.tr_c = fx.tr_c + warm.transitions
-    fx.tr_n = fx.tr_n + warm.transition_rows
-    if warm.pca is not None:
-        core.pca.load_state({"mean": warm.pca["mean"].astype(np.float64),
-                             "cov": warm.pca["cov"].astype(np.float64),
-                             "basis": warm.pca["basis"], "counters": warm.pca["counters"]})
-
-
-def write_predictor_checkpoint(warm: WarmStart, folder: str | Path) -> Path | None:
-    """The chosen peer's predictor as a checkpoint folder ``Learner.load`` reads (weights back
-    in float32); None when no peer had one."""
-    if warm.predictor is None:
-        return None
-    import torch
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: torch.from_numpy(v.astype(np.float32)) for k, v in warm.predictor.items()},
-              str(folder / "predictor.safetensors"))
-    meta = warm.predictor_meta
-    (folder / "predictor.json").write_text(json.dumps({
-        "params": {"model": meta["model"], "hidden": meta["hidden"]}, "L": meta["L"],
-        "E": meta["E"], "dims": meta["dims"], "features": meta["features"], "tokens": 0,
-        "steps": int(meta.get("steps", 0)), "cluster": {"from": warm.source,
-                                                        "tokens": warm.tokens}}))
-    return folder
-
-
-def open_link(config, manifest) -> tuple[ClusterLink, ModelShape]:
-    """A service's link (not yet connected) and the shapes its peers' values must have."""
-    fingerprint = model_fingerprint(manifest_identity(manifest))
-    shape = ModelShape.of(len(manifest.moe_layers), manifest.num_experts, config.features,
-                          config.predictor)
-    return ClusterLink(config.cluster, fingerprint), shape
+def open_link(config, manifest) -> ClusterLink:
+    """A service's link (not yet connected), under the fingerprint of its store's model."""
+    return ClusterLink(config.cluster, model_fingerprint(manifest_identity(manifest)))
 
 
 # --- the Redis link ---------------------------------------------------------------------------

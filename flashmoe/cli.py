@@ -189,8 +189,9 @@ def cmd_serve_features(args) -> int:
     from services.feature_extractor.process import run_feature_extractor_process
 
     control = args.control_endpoint or control_endpoint_for(args.endpoint)
-    return run_feature_extractor_process(_config(args, args.store), args.events, args.endpoint,
-                                         control, args.warmup)
+    config = _config(args, args.store)
+    return run_feature_extractor_process(config, args.events, args.endpoint, control,
+                                         args.warmup, _cluster_shape(config))
 
 
 def cmd_serve_predictor(args) -> int:
@@ -198,8 +199,21 @@ def cmd_serve_predictor(args) -> int:
     from services.predictor.process import run_predictor_process
 
     control = args.control_endpoint or control_endpoint_for(args.endpoint)
-    return run_predictor_process(_config(args, args.store), args.features, args.endpoint,
-                                 control, args.checkpoint_dir, args.warmup)
+    config = _config(args, args.store)
+    return run_predictor_process(config, args.features, args.endpoint, control,
+                                 args.checkpoint_dir, args.warmup, _cluster_shape(config))
+
+
+def _cluster_shape(config):
+    """What the peers' shared values must look like on this device (None without a
+    cluster): the extractor's and the predictor's arrays, for the store's model."""
+    if not config.cluster.redis_url:
+        return None
+    from common.store import ExpertStore
+    from flashmoe.learning import cluster_shape
+
+    manifest = ExpertStore.open(config.store.path).manifest
+    return cluster_shape(len(manifest.moe_layers), manifest.num_experts, config)
 
 
 def cmd_serve_panel(args) -> int:

@@ -29,22 +29,19 @@ import redis
 from common.cluster import (
     PARTS,
     ClusterLink,
-    ModelShape,
-    apply_to_extractor,
-    extractor_patterns,
     extractor_values,
     key,
-    learner_patterns,
     merge,
     model_fingerprint,
     predictor_values,
-    write_predictor_checkpoint,
 )
 from common.config import FlashMoEConfig
 from common.traces import DEFAULT_TRACES_DIR, TokenStream, Trace, load_trace
 from flashmoe.device_model import DEVICES, shape_for_trace
-from flashmoe.learning import Learning, LearningPath, warmup
+from flashmoe.learning import Learning, LearningPath, cluster_shape, warmup
 from flashmoe.simulator import capacity_for, replay_core
+from services.feature_extractor.sharing import apply_to_extractor, extractor_patterns
+from services.predictor.sharing import learner_patterns, write_predictor_checkpoint
 
 PEER, DEVICE = "peer-train", "new-device"
 EARLY = (100, 250, 500)  # also reported: the hit rate over the first this many tokens
@@ -134,7 +131,7 @@ def cluster_bench(config: FlashMoEConfig, workdir: Path, redis_url: str | None =
     L, E, K = train.num_layers, train.num_experts, train.top_k
     fingerprint = model_fingerprint({"model": train.model, "layers": L, "experts": E,
                                      "top_k": K})
-    shape = ModelShape.of(L, E, config.features, config.predictor)
+    shape = cluster_shape(L, E, config)
     server = RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
     arms: dict[str, Learning | None] = {}

@@ -24,15 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
+from common.cluster import ModelShape
 from common.config import FlashMoEConfig
 from common.threads import prepare_learning_path
 from common.traces import TokenStream, Trace
 from flashmoe.errors import CheckpointError
 from flashmoe.simulator import SIM_WORKER, ReplayHooks
 from services.cache_manager.core import CacheManagerCore
+from services.feature_extractor import sharing as extractor_sharing
 from services.feature_extractor.core import (FEATURES, ExtractorCore, load_checkpoint,
                                              save_checkpoint)
-from services.predictor.core import Learner, LearnerParams
+from services.predictor import sharing as predictor_sharing
+from services.predictor.core import Learner
 
 
 @dataclass
@@ -51,7 +54,7 @@ class Learning:
         extractor = ExtractorCore(num_layers, num_experts, top_k,
                                   config.features.pca_components)
         learner = Learner(num_layers, num_experts, extractor.pca.out_dim, len(FEATURES),
-                          LearnerParams.from_config(config))
+                          config.predictor)
         return cls(extractor, learner)
 
     def on_token(self, stream: TokenStream, trace: Trace, t: int) -> np.ndarray | None:
@@ -102,6 +105,17 @@ class Learning:
                                   f"missing); make one with `flashmoe warmup`") from None
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{folder}: unusable warm-up checkpoint: {exc}") from None
+
+
+def cluster_shape(num_layers: int, num_experts: int, config: FlashMoEConfig) -> ModelShape:
+    """What a peer's shared values must look like on this device (common/cluster.py): the
+    extractor's arrays, and the predictor's for the inputs that extractor makes."""
+    pca_components = config.features.pca_components
+    arrays = extractor_sharing.shared_arrays(num_layers, num_experts, pca_components)
+    dims, features = extractor_sharing.predictor_inputs(num_experts, pca_components)
+    weights, meta = predictor_sharing.shared_arrays(num_layers, num_experts, dims, features,
+                                                    config.predictor)
+    return ModelShape({**arrays, **weights}, meta)
 
 
 HOP_MS = 1.0  # the bus hops of one token's event and prediction, on top of the compute

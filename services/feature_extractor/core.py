@@ -27,9 +27,16 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-FEATURES = ("u1", "pr1", "f2", "f8", "f64", "rec", "gap", "gapm", "tab", "ctx", "trans", "pos",
-            "nxt", "nx4", "u2")
-RAW = ("u1", "pr1", "f2", "f8", "f64", "rec", "tab", "trans")  # the per-layer raw vector
+# The per-expert features, in their column order (the FeatureBatch's per_expert rows).
+FEATURES = ("used_last", "prob_last", "recent_freq", "medium_freq", "long_run_freq", "recency",
+            "last_gap", "mean_gap", "token", "context", "transition", "position", "next",
+            "next4", "used_before_last")
+RAW = ("used_last", "prob_last", "recent_freq", "medium_freq", "long_run_freq", "recency",
+       "token", "transition")  # the per-layer raw vector
+# The usage frequencies' half-lives in tokens.
+FREQUENCY_HALF_LIVES = {"recent_freq": 2, "medium_freq": 8, "long_run_freq": 64}
+# The tables with one row per input token seen (they grow with the vocabulary met).
+ROW_TABLES = ("token_uses", "token_seen", "next_uses", "next_seen", "next4_uses", "next4_seen")
 LOG_CAP = 10.0
 NEVER = -(10 ** 9)
 
@@ -60,28 +67,38 @@ class FeatureExtractor:
         self.N = N = num_layers * num_experts
         self.params = params
         self.t = 0  # tokens observed
-        self.decay = {h: 0.5 ** (1.0 / h) for h in (2, 8, 64)}
-        self.ema = {h: np.zeros(N, np.float32) for h in (2, 8, 64)}
-        self.u1 = np.zeros(N, np.float32)
-        self.u2 = np.zeros(N, np.float32)
-        self.pr1 = np.zeros(N, np.float32)
-        self.last = np.full(N, NEVER, np.int64)
-        self.gap = np.full(N, 2.0 ** LOG_CAP, np.float32)
-        self.gapm = np.full(N, 2.0 ** LOG_CAP, np.float32)
+        # usage frequencies (an exponential moving average of "used in this token") by name,
+        # each decayed with its half-life in tokens; the long-run one is the prior every table
+        # estimate is smoothed towards
+        self.decay = {name: 0.5 ** (1.0 / h) for name, h in FREQUENCY_HALF_LIVES.items()}
+        self.recent_freq = np.zeros(N, np.float32)
+        self.medium_freq = np.zeros(N, np.float32)
+        self.long_run_freq = np.zeros(N, np.float32)
+        self.used_last = np.zeros(N, np.float32)  # 1 where the key ran in token t - 1
+        self.used_before_last = np.zeros(N, np.float32)  # ... in token t - 2
+        self.prob_last = np.zeros(N, np.float32)  # its router probability in token t - 1
+        self.last_use = np.full(N, NEVER, np.int64)  # the token it last ran in
+        self.last_gap = np.full(N, 2.0 ** LOG_CAP, np.float32)  # tokens between its last uses
+        self.mean_gap = np.full(N, 2.0 ** LOG_CAP, np.float32)  # their running mean
         self.token_row: dict[str, int] = {}
         rows = 1024
-        self.tab_c = np.zeros((rows, N), np.float32)  # input token -> this token's routing
-        self.tab_n = np.zeros(rows, np.float32)
-        self.nxt_c = np.zeros((rows, N), np.float32)  # input token -> the next token's routing
-        self.nxt_n = np.zeros(rows, np.float32)
-        self.nx4_c = np.zeros((rows, N), np.float32)  # ... the next four tokens' (mean)
-        self.nx4_n = np.zeros(rows, np.float32)
+        # input token (its row) -> how often each key ran in a token with that input, and how
+        # many such tokens there were
+        self.token_uses = np.zeros((rows, N), np.float32)
+        self.token_seen = np.zeros(rows, np.float32)
+        self.next_uses = np.zeros((rows, N), np.float32)  # ... in the token that followed it
+        self.next_seen = np.zeros(rows, np.float32)
+        self.next4_uses = np.zeros((rows, N), np.float32)  # ... in the next four (their mean)
+        self.next4_seen = np.zeros(rows, np.float32)
         bits = params.simhash_bits
-        self.ctx_c = np.zeros((1 << bits, N), np.float32)
-        self.ctx_n = np.zeros(1 << bits, np.float32)
+        # the same for the SimHash fingerprint of the last three input tokens
+        self.context_uses = np.zeros((1 << bits, N), np.float32)
+        self.context_seen = np.zeros(1 << bits, np.float32)
         self._bits_of: dict[str, tuple[float, ...]] = {}
-        self.tr_c = np.zeros((num_layers, num_experts, num_experts), np.float32)
-        self.tr_n = np.zeros((num_layers, num_experts), np.float32)
+        # per layer: times expert i at t - 1 was followed by expert j at t, and times expert i
+        # was the source of a transition
+        self.transition_counts = np.zeros((num_layers, num_experts, num_experts), np.float32)
+        self.transition_sources = np.zeros((num_layers, num_experts), np.float32)
         self.prev_experts: np.ndarray | None = None
         self.history: list[str] = []  # input tokens of this sequence (the SimHash window)
         self.rows_history: list[int] = []  # table rows of its last four input tokens
@@ -94,8 +111,8 @@ class FeatureExtractor:
         self._pair_layer = np.repeat(self._layer_index, top_k * top_k)  # transitions' indices
         self._src_layer = np.repeat(self._layer_index, top_k)
         # log-scaled reuse gaps, kept as features (they change only where a key is used)
-        self.gap_feature = np.ones(N, np.float32)
-        self.gapm_feature = np.ones(N, np.float32)
+        self.last_gap_feature = np.ones(N, np.float32)
+        self.mean_gap_feature = np.ones(N, np.float32)
 
     # --- context tables ----------------------------------------------------------------------
 
@@ -120,8 +137,8 @@ class FeatureExtractor:
         row = self.token_row.get(token)
         if row is None:
             row = len(self.token_row)
-            if row >= len(self.tab_n):
-                for name in ("tab_c", "tab_n", "nxt_c", "nxt_n", "nx4_c", "nx4_n"):
+            if row >= len(self.token_seen):
+                for name in ROW_TABLES:
                     table = getattr(self, name)
                     setattr(self, name, np.concatenate([table, np.zeros_like(table)]))
             self.token_row[token] = row
@@ -137,34 +154,34 @@ class FeatureExtractor:
         self.history = (self.history + [token])[-len(self.params.window):]
         self.position = position
         a = self.params.alpha
-        prior = self.ema[64]
+        prior = self.long_run_freq
         ap = a * prior  # the prior's weight in every table estimate
         X = np.empty((self.N, len(FEATURES)), np.float32)
-        X[:, 0] = self.u1
-        X[:, 1] = self.pr1
-        X[:, 2] = self.ema[2]
-        X[:, 3] = self.ema[8]
+        X[:, 0] = self.used_last
+        X[:, 1] = self.prob_last
+        X[:, 2] = self.recent_freq
+        X[:, 3] = self.medium_freq
         X[:, 4] = prior
-        since = np.maximum(self.t - self.last, 1).astype(np.float32)
+        since = np.maximum(self.t - self.last_use, 1).astype(np.float32)
         X[:, 5] = np.minimum(np.log2(since), LOG_CAP) / LOG_CAP
-        X[:, 6] = self.gap_feature
-        X[:, 7] = self.gapm_feature
+        X[:, 6] = self.last_gap_feature
+        X[:, 7] = self.mean_gap_feature
         row = self.row = self._row_of(token)
-        X[:, 8] = (self.tab_c[row] + ap) / (self.tab_n[row] + a)
+        X[:, 8] = (self.token_uses[row] + ap) / (self.token_seen[row] + a)
         ctx = self.ctx = self.fingerprint(self.history)
-        X[:, 9] = (self.ctx_c[ctx] + ap) / (self.ctx_n[ctx] + a)
+        X[:, 9] = (self.context_uses[ctx] + ap) / (self.context_seen[ctx] + a)
         if self.prev_experts is not None:
             rows = self._layer_index[:, None]
-            counts = self.tr_c[rows, self.prev_experts]  # (L, K, E)
-            seen = self.tr_n[rows, self.prev_experts][..., None]
+            counts = self.transition_counts[rows, self.prev_experts]  # (L, K, E)
+            seen = self.transition_sources[rows, self.prev_experts][..., None]
             smoothed = (counts + ap.reshape(self.L, 1, self.E)) / (seen + a)
             X[:, 10] = (smoothed.sum(1) / self.K).reshape(self.N)  # the mean over the K
         else:
             X[:, 10] = prior
         X[:, 11] = min(np.log2(1 + position), LOG_CAP) / LOG_CAP
-        X[:, 12] = (self.nxt_c[row] + ap) / (self.nxt_n[row] + a)
-        X[:, 13] = (self.nx4_c[row] + ap) / (self.nx4_n[row] + a)
-        X[:, 14] = self.u2
+        X[:, 12] = (self.next_uses[row] + ap) / (self.next_seen[row] + a)
+        X[:, 13] = (self.next4_uses[row] + ap) / (self.next4_seen[row] + a)
+        X[:, 14] = self.used_before_last
         self.stepped = True
         return X
 
@@ -178,36 +195,36 @@ class FeatureExtractor:
         keys = (experts + self._layer_base).reshape(-1)  # distinct: a layer's top-k are
         used = np.zeros(self.N, np.float32)
         used[keys] = 1.0
-        for h, lam in self.decay.items():  # ema = lam * ema + (1 - lam) * used
-            ema = self.ema[h]
-            ema *= lam
-            ema[keys] += np.float32(1 - lam)
-        self.u2, self.u1 = self.u1, used
-        self.pr1 = np.zeros(self.N, np.float32)
+        for name, lam in self.decay.items():  # freq = lam * freq + (1 - lam) * used
+            freq = getattr(self, name)
+            freq *= lam
+            freq[keys] += np.float32(1 - lam)
+        self.used_before_last, self.used_last = self.used_last, used
+        self.prob_last = np.zeros(self.N, np.float32)
         if probs is not None and len(probs):
-            self.pr1[keys] = np.asarray(probs, np.float32).reshape(-1)
-        seen_before = self.last[keys] > NEVER
-        gaps = (self.t - self.last[keys]).astype(np.float32)
+            self.prob_last[keys] = np.asarray(probs, np.float32).reshape(-1)
+        seen_before = self.last_use[keys] > NEVER
+        gaps = (self.t - self.last_use[keys]).astype(np.float32)
         again = keys[seen_before]
-        self.gap[again] = gaps[seen_before]
-        first = self.gapm[again] >= 2.0 ** LOG_CAP
-        self.gapm[again] = np.where(first, gaps[seen_before],
-                                    0.75 * self.gapm[again] + 0.25 * gaps[seen_before])
-        self.gap_feature[again] = _log_feature(self.gap[again])
-        self.gapm_feature[again] = _log_feature(self.gapm[again])
-        self.last[keys] = self.t
+        self.last_gap[again] = gaps[seen_before]
+        first = self.mean_gap[again] >= 2.0 ** LOG_CAP
+        self.mean_gap[again] = np.where(first, gaps[seen_before],
+                                        0.75 * self.mean_gap[again] + 0.25 * gaps[seen_before])
+        self.last_gap_feature[again] = _log_feature(self.last_gap[again])
+        self.mean_gap_feature[again] = _log_feature(self.mean_gap[again])
+        self.last_use[keys] = self.t
         row, ctx = self.row, self.ctx
-        self.tab_c[row, keys] += 1
-        self.tab_n[row] += 1
-        self.ctx_c[ctx, keys] += 1
-        self.ctx_n[ctx] += 1
+        self.token_uses[row, keys] += 1
+        self.token_seen[row] += 1
+        self.context_uses[ctx, keys] += 1
+        self.context_seen[ctx] += 1
         if self.rows_history:  # this token's routing followed the previous input tokens
             before = self.rows_history[-1]
-            self.nxt_c[before, keys] += 1
-            self.nxt_n[before] += 1
+            self.next_uses[before, keys] += 1
+            self.next_seen[before] += 1
             for before in self.rows_history[-4:]:
-                self.nx4_c[before, keys] += 0.25
-                self.nx4_n[before] += 0.25
+                self.next4_uses[before, keys] += 0.25
+                self.next4_seen[before] += 0.25
         self.rows_history = (self.rows_history + [row])[-4:]
         if self.prev_experts is not None and self.position > 0:
             # A layer's top-k experts are distinct, so no (layer, src, dst) pair repeats and
@@ -215,8 +232,8 @@ class FeatureExtractor:
             pairs = (self.L, K, K)  # every (expert at t-1, expert at t) of a layer
             src = np.broadcast_to(self.prev_experts[:, :, None], pairs).reshape(-1)
             dst = np.broadcast_to(experts[:, None, :], pairs).reshape(-1)
-            self.tr_c[self._pair_layer, src, dst] += 1.0
-            self.tr_n[self._src_layer, self.prev_experts.reshape(-1)] += 1.0
+            self.transition_counts[self._pair_layer, src, dst] += 1.0
+            self.transition_sources[self._src_layer, self.prev_experts.reshape(-1)] += 1.0
         self.prev_experts = experts
         self.t += 1
 
@@ -348,18 +365,25 @@ class ExtractorCore:
 
 # --- checkpoints (safetensors + JSON; no pickle) ------------------------------------------------
 
-_TABLES = ("ema2", "ema8", "ema64", "u1", "u2", "pr1", "last", "gap", "gapm", "tab_c", "tab_n",
-           "nxt_c", "nxt_n", "nx4_c", "nx4_n", "ctx_c", "ctx_n", "tr_c", "tr_n")
+# A checkpoint's array names ("fx.<name>") -> the extractor's attributes. The names on disk
+# are the checkpoint format's (the cluster's payload carries none of them).
+CHECKPOINT_NAMES = {
+    "u1": "used_last", "u2": "used_before_last", "pr1": "prob_last", "last": "last_use",
+    "gap": "last_gap", "gapm": "mean_gap", "tab_c": "token_uses", "tab_n": "token_seen",
+    "nxt_c": "next_uses", "nxt_n": "next_seen", "nx4_c": "next4_uses", "nx4_n": "next4_seen",
+    "ctx_c": "context_uses", "ctx_n": "context_seen", "tr_c": "transition_counts",
+    "tr_n": "transition_sources", "ema2": "recent_freq", "ema8": "medium_freq",
+    "ema64": "long_run_freq"}
 
 
 def extractor_state(core: ExtractorCore) -> tuple[dict[str, np.ndarray], dict]:
     """(arrays, JSON-able meta) of an extractor: what it learned, not where a stream is."""
     fx = core.features
-    arrays = {f"fx.{name}": getattr(fx, name) for name in _TABLES if not name.startswith("ema")}
-    arrays.update({f"fx.ema{h}": fx.ema[h] for h in fx.ema})
     rows = len(fx.token_row)
-    for name in ("tab_c", "tab_n", "nxt_c", "nxt_n", "nx4_c", "nx4_n"):
-        arrays[f"fx.{name}"] = arrays[f"fx.{name}"][:rows]
+    arrays = {}
+    for stored, name in CHECKPOINT_NAMES.items():
+        value = getattr(fx, name)
+        arrays[f"fx.{stored}"] = value[:rows] if name in ROW_TABLES else value
     arrays.update({f"pca.{k}": v for k, v in core.pca.state().items()})
     meta = {"L": fx.L, "E": fx.E, "K": fx.K, "tokens": fx.t, "params": fx.params.__dict__,
             "token_rows": list(fx.token_row), "pca_components": core.pca.k}
@@ -373,17 +397,15 @@ def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], met
                          f"and {meta['pca_components']} components does not fit {fx.L} x "
                          f"{fx.E} and {core.pca.k}")
     fx.token_row = {token: i for i, token in enumerate(meta["token_rows"])}
-    for name in _TABLES:
-        if name.startswith("ema"):
-            fx.ema[int(name[3:])] = arrays[f"fx.{name}"].copy()
-            continue
-        value = arrays[f"fx.{name}"].copy()
-        if name in ("tab_c", "tab_n", "nxt_c", "nxt_n", "nx4_c", "nx4_n"):
+    for stored, name in CHECKPOINT_NAMES.items():
+        value = arrays[f"fx.{stored}"].copy()
+        if name in ROW_TABLES:
             grown = np.zeros((max(1024, 2 * len(value)),) + value.shape[1:], value.dtype)
             grown[:len(value)] = value
             value = grown
         setattr(fx, name, value)
-    fx.gap_feature, fx.gapm_feature = _log_feature(fx.gap), _log_feature(fx.gapm)
+    fx.last_gap_feature = _log_feature(fx.last_gap)
+    fx.mean_gap_feature = _log_feature(fx.mean_gap)
     fx.t = int(meta["tokens"])
     core.pca.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("pca.")})
 

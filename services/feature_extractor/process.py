@@ -4,7 +4,8 @@
 Every event is counted by its source's sequence numbers (lost ones in ``n_gap``); a malformed
 or wrong-version message is counted and dropped. The core's tables can start from a warm-up
 checkpoint (``--warmup``). With ``cluster.redis_url`` they also start from the peers' shared
-popularity, transitions and PCA (common/cluster.py), and a thread publishes this device's.
+popularity, transitions and PCA (common/cluster.py; what it shares: sharing.py), and a
+thread publishes this device's.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import zmq
 from common.bus import Publisher, SeqGaps, Subscriber
 from common.cluster import (
     ClusterAgent,
-    apply_to_extractor,
+    ModelShape,
     cluster_stats,
-    extractor_patterns,
     extractor_values,
     merge,
     open_link,
@@ -31,13 +31,15 @@ from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
 from .core import FEATURES, ExtractorCore, load_checkpoint
+from .sharing import apply_to_extractor, extractor_patterns
 
 
 class FeatureExtractorService(Service):
     name = "feature_extractor"
 
     def __init__(self, config: FlashMoEConfig, events: list[str], publish: str,
-                 control_endpoint: str, warmup: str | None = None) -> None:
+                 control_endpoint: str, warmup: str | None = None,
+                 cluster_shape: ModelShape | None = None) -> None:
         super().__init__(config, control_endpoint)
         manifest = ExpertStore.open(config.store.path).manifest
         self.layers = len(manifest.moe_layers)
@@ -50,7 +52,7 @@ class FeatureExtractorService(Service):
         self.cluster: ClusterAgent | None = None
         self.warm_start: dict | None = None
         if config.cluster.redis_url:
-            self._join_cluster(manifest)
+            self._join_cluster(manifest, cluster_shape)
         self.receive = Subscriber(self.ctx, config, events, LearningMessage, self.counters,
                                   "feature extractor")
         self.publisher = Publisher(self.ctx, config, publish)
@@ -61,10 +63,14 @@ class FeatureExtractorService(Service):
         self.counters.update(events=0, batches=0, n_gap=0, n_out_of_order=0,
                              rejected_unexpected=0)
 
-    def _join_cluster(self, manifest) -> None:
-        """Warm start from the peers (bounded by ``cluster.timeout_s`` per call; Redis down
-        means starting alone), then publish on the agent's thread."""
-        link, shape = open_link(self.config, manifest)
+    def _join_cluster(self, manifest, shape: ModelShape | None) -> None:
+        """Warm start from the peers whose values have this device's ``shape`` (bounded by
+        ``cluster.timeout_s`` per call; Redis down means starting alone), then publish on the
+        agent's thread."""
+        if shape is None:
+            raise ValueError("cluster.redis_url is set but the shapes of the peers' values "
+                             "were not given (cluster_shape)")
+        link = open_link(self.config, manifest)
         warm = merge(link.fetch_peers(shape))
         if warm is not None:
             apply_to_extractor(self.core, warm, local_tokens=self.core.features.t)
@@ -126,7 +132,11 @@ class FeatureExtractorService(Service):
 
 
 def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], publish: str,
-                                  control_endpoint: str, warmup: str | None = None) -> int:
+                                  control_endpoint: str, warmup: str | None = None,
+                                  cluster_shape: ModelShape | None = None) -> int:
+    """``cluster_shape``: what the peers' shared values must look like (needed with
+    ``cluster.redis_url``)."""
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: FeatureExtractorService(config, events, publish,
-                                                               control_endpoint, warmup))
+                                                               control_endpoint, warmup,
+                                                               cluster_shape))

@@ -2,24 +2,25 @@
 
 Per token: ``predict(x, z)`` steps the network on the token's features and returns the
 eviction estimate S (VARIANTS, N) for it; ``observe(keys)`` then records which experts that
-token used. Every ``train_every`` tokens it trains on the last ``window`` tokens (truncated
-backpropagation through time from the LSTM state stored at the window's start); a label is the
-bucket of the distance to the expert's next use inside the window, or "beyond the window's end"
-(censored: every bucket past it is allowed).
+token used. Every ``train_every_tokens`` tokens it trains on the last ``window_tokens``
+tokens (truncated backpropagation through time from the LSTM state stored at the window's
+start); a label is the bucket of the distance to the expert's next use inside the window, or
+"beyond the window's end" (censored: every bucket past it is allowed).
 
 Against forgetting, EWC (elastic weight consolidation): a penalty ``ewc_strength`` x
 sum F (theta - theta*)^2, F a running diagonal Fisher estimate (squared gradients, normalised
 to mean 1), theta* the weights at the last anchor (the end of a warm-up, or of an elastic
 update). A Page-Hinkley detector on the per-token loss of "used in this token" flags drift
-(a task switch); it starts an elastic update: ``elastic_tokens`` tokens at ``elastic_lr`` times
-the learning rate, the EWC penalty weighted by ``ewc_lambda`` (x ``ewc_strength``), then a new
-anchor. (On the dev split EWC at any strength tried loses hit rate: the new datasets are what
-the policy must adapt to; ``ewc_strength`` is 0 by default, and a drift is then a learning-rate
-boost.) Inference
-can run on an INT8 dynamically quantized copy (``int8``), refreshed after each training step.
+(a task switch); it starts an elastic update: ``ELASTIC_TOKENS`` tokens at
+``ELASTIC_LR_FACTOR`` times the learning rate, the EWC penalty weighted by ``ewc_lambda``
+(x ``ewc_strength``), then a new anchor. (On the dev split EWC at any strength tried loses hit
+rate: the new datasets are what the policy must adapt to; ``ewc_strength`` is 0 by default,
+and a drift is then a learning-rate boost.) Inference can run on an INT8 dynamically
+quantized copy (``int8``), refreshed after each training step.
 
-Checkpoints are safetensors (weights, optimiser-free) plus a JSON of hyper-parameters and
-counters; never pickle.
+The settings are the ``predictor`` section of the config (``PredictorConfig``); what the
+learner fixes is named below. Checkpoints are safetensors (weights, optimiser-free) plus a
+JSON of hyper-parameters and counters; never pickle.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,43 +35,37 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from common.config import PredictorConfig
+
 from . import fast_infer
 from .model import Net, bucket_nll, bucket_of, estimates
 
 CENSORED = 10 ** 9
 
 
-@dataclass(frozen=True)
-class LearnerParams:
-    model: str = "linear"  # linear | lstm
-    hidden: int = 64
-    lstm_layers: int = 2
-    window: int = 32  # tokens of the training window
-    train_every: int = 64  # tokens between training steps
-    lr: float = 2e-3
-    lr_fast: float = 1e-2  # per-key bias and skip weights
-    weight_b: float = 0.25  # weight of head B's loss
-    ewc_strength: float = 0.0  # weight of the EWC penalty (0: off)
-    ewc_lambda: float = 0.5  # its multiplier during an elastic update
-    fisher_decay: float = 0.99
-    drift: bool = False
-    drift_delta: float = 0.005
-    drift_threshold: float = 2.0  # Page-Hinkley lambda
-    elastic_tokens: int = 500
-    elastic_lr: float = 3.0
-    int8: bool = False
-    infer_precision: str = "int8"  # the heads in the fused C inference: fp32 | bf16 | int8
-    seed: int = 0
+# What the learner fixes (the tunable settings are common/config.py's PredictorConfig):
+LSTM_LAYERS = 2  # layers of the LSTM (predictor.model = lstm)
+FAST_LR_FACTOR = 5  # the per-key bias and the skip weights learn at this x learning_rate
+HEAD_B_WEIGHT = 0.25  # weight of head B's loss beside head A's
+FISHER_DECAY = 0.99  # per training step, of the running diagonal Fisher estimate
+DRIFT_DELTA = 0.005  # Page-Hinkley tolerance (delta) of the drift detector
+ELASTIC_TOKENS = 500  # tokens of an elastic update after a drift
+ELASTIC_LR_FACTOR = 3.0  # the learning rate x this during an elastic update
+SEED = 0  # torch's seed for the initial weights
 
-    @classmethod
-    def from_config(cls, config) -> "LearnerParams":
-        """From the ``predictor`` section of a FlashMoEConfig."""
-        p = config.predictor
-        return cls(model=p.model, hidden=p.lstm_hidden, window=p.window_tokens,
-                   lr=p.learning_rate, lr_fast=5 * p.learning_rate,
-                   train_every=p.train_every_tokens, ewc_strength=p.ewc_strength,
-                   ewc_lambda=p.ewc_lambda, drift=p.drift, drift_threshold=p.drift_threshold,
-                   int8=p.int8, infer_precision=p.infer_precision)
+
+def checkpoint_params(config: PredictorConfig) -> dict:
+    """The hyper-parameters a checkpoint records (``predictor.json``'s ``params``), under the
+    checkpoint format's names; ``model`` and ``hidden`` decide whether it fits a predictor."""
+    return {"model": config.model, "hidden": config.lstm_hidden, "lstm_layers": LSTM_LAYERS,
+            "window": config.window_tokens, "train_every": config.train_every_tokens,
+            "lr": config.learning_rate, "lr_fast": FAST_LR_FACTOR * config.learning_rate,
+            "weight_b": HEAD_B_WEIGHT, "ewc_strength": config.ewc_strength,
+            "ewc_lambda": config.ewc_lambda, "fisher_decay": FISHER_DECAY,
+            "drift": config.drift, "drift_delta": DRIFT_DELTA,
+            "drift_threshold": config.drift_threshold, "elastic_tokens": ELASTIC_TOKENS,
+            "elastic_lr": ELASTIC_LR_FACTOR, "int8": config.int8,
+            "infer_precision": config.infer_precision, "seed": SEED}
 
 
 class PageHinkley:
@@ -142,18 +136,19 @@ def next_token_recall(p_used: np.ndarray, routing: np.ndarray) -> float:
 
 class Learner:
     def __init__(self, num_layers: int, num_experts: int, dims: int, features: int,
-                 params: LearnerParams = LearnerParams()) -> None:
+                 config: PredictorConfig | None = None) -> None:
         self.L, self.E, self.N = num_layers, num_experts, num_layers * num_experts
         self.dims, self.features = dims, features
-        self.params = params
-        torch.manual_seed(params.seed)
-        self.net = Net(num_layers, num_experts, dims, features, params.model, params.hidden,
-                       params.lstm_layers)
+        self.config = config = config if config is not None else PredictorConfig()
+        torch.manual_seed(SEED)
+        self.net = Net(num_layers, num_experts, dims, features, config.model,
+                       config.lstm_hidden, LSTM_LAYERS)
         self.opt = torch.optim.Adam([
-            {"params": self.net.fast_parameters(), "lr": params.lr_fast},
-            {"params": self.net.slow_parameters(), "lr": params.lr}], fused=True)
+            {"params": self.net.fast_parameters(),
+             "lr": FAST_LR_FACTOR * config.learning_rate},
+            {"params": self.net.slow_parameters(), "lr": config.learning_rate}], fused=True)
         self.base_lr = [group["lr"] for group in self.opt.param_groups]
-        self.W = params.window
+        self.W = config.window_tokens
         self.zbuf = np.zeros((self.W, num_layers, dims), np.float32)
         self.xbuf = np.zeros((self.W, self.N, features), np.float32)
         self.used = np.zeros((self.W, self.N), bool)
@@ -165,8 +160,7 @@ class Learner:
         self.fisher_raw: list[torch.Tensor] | None = None
         self.fisher: list[torch.Tensor] | None = None
         self.anchor: list[torch.Tensor] | None = None
-        self.drift = PageHinkley(params.drift_delta, params.drift_threshold) \
-            if params.drift else None
+        self.drift = PageHinkley(DRIFT_DELTA, config.drift_threshold) if config.drift else None
         self.elastic_until = -1
         self.drifts: list[int] = []
         self.last_p_used: np.ndarray | None = None
@@ -175,8 +169,8 @@ class Learner:
         self.losses: list[float] = []
         self.fused: fast_infer.FusedInference | None = None
         try:
-            self.fused = fast_infer.FusedInference(self.net, params.infer_precision)
-            self.inference = f"fused C, {params.infer_precision} heads"
+            self.fused = fast_infer.FusedInference(self.net, config.infer_precision)
+            self.inference = f"fused C, {config.infer_precision} heads"
         except RuntimeError as exc:  # the library is not built: the numpy path
             self.inference = f"numpy, fp32 ({exc})"
 
@@ -218,9 +212,9 @@ class Learner:
             loss = -float(np.mean(np.where(self.used[i], np.log(p), np.log(1 - p))))
             if self.drift.update(loss) and self.t > self.elastic_until:
                 self.drifts.append(self.t)
-                self.elastic_until = self.t + self.params.elastic_tokens
+                self.elastic_until = self.t + ELASTIC_TOKENS
         self.t += 1
-        if self.t % self.params.train_every == 0 and self.t >= 2:
+        if self.t % self.config.train_every_tokens == 0 and self.t >= 2:
             started = time.thread_time()
             self.train_step()
             self.cpu_s["train"] += time.thread_time() - started
@@ -241,26 +235,26 @@ class Learner:
                          torch.from_numpy(np.stack([cens_a, cens_b], 1)))  # (n, HEADS, N)
         wb = torch.from_numpy(weight_b).float()
         loss = nll[:, 0].mean() + (nll[:, 1] * wb).sum() / wb.sum().clamp(min=1) \
-            * self.params.weight_b
+            * HEAD_B_WEIGHT
         self.losses.append(float(nll[:, 0].mean().detach()))
         elastic = self.t < self.elastic_until
-        weight = self.params.ewc_strength * (self.params.ewc_lambda if elastic else 1.0)
+        weight = self.config.ewc_strength * (self.config.ewc_lambda if elastic else 1.0)
         if self.anchor is not None and weight:
             penalty = sum((f * (q - a) ** 2).sum() for q, f, a in
                           zip(self.net.parameters(), self.fisher, self.anchor))
             loss = loss + weight * penalty
         self.opt.zero_grad()
         loss.backward()
-        if self.params.ewc_strength:
+        if self.config.ewc_strength:
             self._update_fisher()
-        scale = self.params.elastic_lr if elastic else 1.0
+        scale = ELASTIC_LR_FACTOR if elastic else 1.0
         for group, lr in zip(self.opt.param_groups, self.base_lr):
             group["lr"] = lr * scale
         self.opt.step()
         self.steps += 1
 
     def _update_fisher(self) -> None:
-        d = self.params.fisher_decay
+        d = FISHER_DECAY
         if self.fisher_raw is None:
             self.fisher_raw = [torch.zeros_like(p) for p in self.net.parameters()]
         for f, p in zip(self.fisher_raw, self.net.parameters()):
@@ -280,7 +274,7 @@ class Learner:
     def refresh_inference(self) -> None:
         """The inference copy after the weights changed: the INT8 network where that is what
         runs (``int8``), else the fused path's low-precision heads."""
-        if self.params.int8:
+        if self.config.int8:
             self.quantize()
         elif self.fused is not None:
             self.fused.refresh()
@@ -303,8 +297,8 @@ class Learner:
         tmp = folder / "predictor.safetensors.tmp"
         save_file(tensors, str(tmp))
         tmp.replace(folder / "predictor.safetensors")
-        meta = {"params": asdict(self.params), "L": self.L, "E": self.E, "dims": self.dims,
-                "features": self.features, "tokens": self.t, "steps": self.steps,
+        meta = {"params": checkpoint_params(self.config), "L": self.L, "E": self.E,
+                "dims": self.dims, "features": self.features, "tokens": self.t, "steps": self.steps,
                 "drifts": len(self.drifts), **(extra or {})}
         tmp = folder / "predictor.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
@@ -318,11 +312,11 @@ class Learner:
         if shape != (self.L, self.E, self.dims, self.features):
             raise ValueError(f"{folder}: checkpoint of shape (layers, experts, dims, features) "
                              f"{shape}, this predictor is {(self.L, self.E, self.dims, self.features)}")
-        if meta["params"]["model"] != self.params.model or \
-                meta["params"]["hidden"] != self.params.hidden:
+        if meta["params"]["model"] != self.config.model or \
+                meta["params"]["hidden"] != self.config.lstm_hidden:
             raise ValueError(f"{folder}: checkpoint of a {meta['params']['model']} model with "
                              f"hidden {meta['params']['hidden']}, this predictor is "
-                             f"{self.params.model} with hidden {self.params.hidden}")
+                             f"{self.config.model} with hidden {self.config.lstm_hidden}")
         tensors = load_file(str(folder / "predictor.safetensors"))
         self.net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("net.")})
         names = [n for n, _ in self.net.named_parameters()]

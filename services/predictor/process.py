@@ -7,7 +7,7 @@ weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
 ``predictor.checkpoint_every_s`` and at shutdown; a restarted predictor resumes from there
 (else from the warm-up checkpoint, else cold). With ``cluster.redis_url``, a first start
 takes the weights of the peer with the most tokens before the warm-up checkpoint
-(common/cluster.py), and a thread publishes this device's weights.
+(common/cluster.py; what it shares: sharing.py), and a thread publishes this device's weights.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import zmq
 from common.bus import Publisher, SeqGaps, Subscriber
 from common.cluster import (
     ClusterAgent,
+    ModelShape,
     cluster_stats,
-    learner_patterns,
     merge,
     open_link,
     predictor_values,
-    write_predictor_checkpoint,
 )
 from common.config import FlashMoEConfig
 from common.protocol import FeatureBatch, LearningMessage, Prediction
@@ -34,14 +33,16 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .core import Learner, LearnerParams, next_token_recall
+from .core import Learner, next_token_recall
+from .sharing import learner_patterns, write_predictor_checkpoint
 
 
 class PredictorService(Service):
     name = "predictor"
 
     def __init__(self, config: FlashMoEConfig, features: list[str], publish: str,
-                 control_endpoint: str, checkpoint_dir: str, warmup: str | None = None) -> None:
+                 control_endpoint: str, checkpoint_dir: str, warmup: str | None = None,
+                 cluster_shape: ModelShape | None = None) -> None:
         super().__init__(config, control_endpoint)
         manifest = ExpertStore.open(config.store.path).manifest
         self.layers, self.experts = len(manifest.moe_layers), manifest.num_experts
@@ -64,14 +65,18 @@ class PredictorService(Service):
         self.cluster_checkpoint: Path | None = None  # the chosen peer's weights, as a folder
         self.warm_start: dict | None = None
         if config.cluster.redis_url:
-            self._join_cluster(manifest)
+            self._join_cluster(manifest, cluster_shape)
         self.counters.update(batches=0, predictions=0, checkpoints=0, n_gap=0,
                              n_out_of_order=0, rejected_unexpected=0, rejected_shape=0)
 
-    def _join_cluster(self, manifest) -> None:
-        """A first start (no checkpoint of its own) takes the peer's weights; then the agent
-        publishes this device's on its own thread."""
-        link, shape = open_link(self.config, manifest)
+    def _join_cluster(self, manifest, shape: ModelShape | None) -> None:
+        """A first start (no checkpoint of its own) takes the weights of a peer whose values
+        have this device's ``shape``; then the agent publishes this device's on its own
+        thread."""
+        if shape is None:
+            raise ValueError("cluster.redis_url is set but the shapes of the peers' values "
+                             "were not given (cluster_shape)")
+        link = open_link(self.config, manifest)
         if not (self.checkpoint_dir / "predictor.json").is_file():
             warm = merge(link.fetch_peers(shape))
             if warm is not None:
@@ -101,8 +106,7 @@ class PredictorService(Service):
         self.publisher.close()
 
     def _make_learner(self, dims: int, features: int) -> Learner:
-        learner = Learner(self.layers, self.experts, dims, features,
-                          LearnerParams.from_config(self.config))
+        learner = Learner(self.layers, self.experts, dims, features, self.config.predictor)
         for source in (self.checkpoint_dir, self.cluster_checkpoint, self.warmup):
             if source and (Path(source) / "predictor.json").is_file():
                 try:
@@ -175,24 +179,24 @@ class PredictorService(Service):
         self.counters["checkpoints"] += 1
 
     def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:
-        """EWC weights and the drift detector, live (the learner reads its params at each
+        """EWC weights and the drift detector, live (the learner reads its settings at each
         step; a learner not made yet takes them from self.config)."""
-        names = {"predictor.ewc_strength": "ewc_strength", "predictor.ewc_lambda": "ewc_lambda",
-                 "predictor.drift": "drift", "predictor.drift_threshold": "drift_threshold"}
-        applied = [key for key in changes if key in names]
+        live = ("predictor.ewc_strength", "predictor.ewc_lambda", "predictor.drift",
+                "predictor.drift_threshold")
+        applied = [key for key in changes if key in live]
         if not check and self.learner is not None and applied:
             import dataclasses
 
-            from .core import PageHinkley
+            from .core import DRIFT_DELTA, PageHinkley
 
             learner = self.learner
-            learner.params = dataclasses.replace(
-                learner.params, **{names[key]: changes[key] for key in applied})
-            p = learner.params
+            learner.config = dataclasses.replace(
+                learner.config, **{key.split(".", 1)[1]: changes[key] for key in applied})
+            p = learner.config
             if not p.drift:
                 learner.drift = None
             elif learner.drift is None:
-                learner.drift = PageHinkley(p.drift_delta, p.drift_threshold)
+                learner.drift = PageHinkley(DRIFT_DELTA, p.drift_threshold)
             else:
                 learner.drift.threshold = p.drift_threshold
         return applied, {}
@@ -203,7 +207,7 @@ class PredictorService(Service):
             out.update(cluster_stats(self.cluster.link, self.warm_start))
         if self.learner is not None:
             tokens = max(self.learner.t, 1)
-            out.update(model=self.learner.params.model, inference=self.learner.inference,
+            out.update(model=self.learner.config.model, inference=self.learner.inference,
                        tokens=self.learner.t,
                        steps=self.learner.steps, drifts=len(self.learner.drifts),
 
@@ -216,8 +220,11 @@ class PredictorService(Service):
 
 def run_predictor_process(config: FlashMoEConfig, features: list[str], publish: str,
                           control_endpoint: str, checkpoint_dir: str,
-                          warmup: str | None = None) -> int:
+                          warmup: str | None = None,
+                          cluster_shape: ModelShape | None = None) -> int:
+    """``cluster_shape``: what the peers' shared values must look like (needed with
+    ``cluster.redis_url``)."""
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: PredictorService(config, features, publish,
                                                         control_endpoint, checkpoint_dir,
-                                                        warmup))
+                                                        warmup, cluster_shape))

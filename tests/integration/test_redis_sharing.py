@@ -21,20 +21,18 @@ from common.cluster import (
     ClusterAgent,
     ClusterLink,
     ModelShape,
-    apply_to_extractor,
-    extractor_patterns,
     extractor_values,
     key,
-    learner_patterns,
     manifest_identity,
     merge,
     model_fingerprint,
     predictor_values,
-    write_predictor_checkpoint,
 )
 from common.config import load_config
 from flashmoe.cluster_bench import RedisServer
-from flashmoe.learning import Learning
+from flashmoe.learning import Learning, cluster_shape
+from services.feature_extractor.sharing import apply_to_extractor, extractor_patterns
+from services.predictor.sharing import learner_patterns, write_predictor_checkpoint
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None,
@@ -79,7 +77,7 @@ def values_of(learning: Learning, name: str) -> dict:
 
 
 def shape_of(config) -> ModelShape:
-    return ModelShape.of(L, E, config.features, config.predictor)
+    return cluster_shape(L, E, config)
 
 
 def wait_until(condition, timeout_s: float = 10.0, what: str = ""):
@@ -103,8 +101,9 @@ def test_two_devices_exchange_and_a_warm_start_merges_the_peer(server, tmp_path)
     pop_b = extractor_patterns(b.extractor, "b").popularity
     np.testing.assert_allclose(warm.popularity, 0.25 * pop_a + 0.75 * pop_b, rtol=1e-5)
     apply_to_extractor(c.extractor, warm)
-    np.testing.assert_array_equal(c.extractor.features.tr_c,
-                                  a.extractor.features.tr_c + b.extractor.features.tr_c)
+    np.testing.assert_array_equal(c.extractor.features.transition_counts,
+                                  a.extractor.features.transition_counts +
+                                  b.extractor.features.transition_counts)
     np.testing.assert_array_equal(c.extractor.pca.basis, b.extractor.pca.basis)
     c.learner.load(write_predictor_checkpoint(warm, tmp_path / "from-peer"))
     for mine, theirs in zip(c.learner.net.parameters(), b.learner.net.parameters()):

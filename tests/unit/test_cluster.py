@@ -9,19 +9,17 @@ from common.cluster import (
     ModelShape,
     Patterns,
     PayloadError,
-    apply_to_extractor,
     decode,
     encode,
-    extractor_patterns,
     extractor_values,
-    learner_patterns,
     merge,
     parse_device,
     predictor_values,
-    write_predictor_checkpoint,
 )
 from common.config import load_config
-from flashmoe.learning import Learning
+from flashmoe.learning import Learning, cluster_shape
+from services.feature_extractor.sharing import apply_to_extractor, extractor_patterns
+from services.predictor.sharing import learner_patterns, write_predictor_checkpoint
 
 L, E, K = 3, 8, 2
 
@@ -47,8 +45,7 @@ def _skew(seed: int) -> np.ndarray:
 
 
 def shape() -> ModelShape:
-    cfg = config()
-    return ModelShape.of(L, E, cfg.features, cfg.predictor)
+    return cluster_shape(L, E, config())
 
 
 def values_of(learning: Learning, device: str) -> dict:
@@ -94,7 +91,7 @@ def test_parse_device_checks_shapes_dtypes_and_the_total_size():
     other = load_config(env={}, overrides=["features.pca_components=8", "predictor.model=lstm",
                                            "predictor.lstm_hidden=64"])
     with pytest.raises(PayloadError, match="predictor"):
-        parse_device(good, "a", ModelShape.of(L, E, other.features, other.predictor), 4 << 20)
+        parse_device(good, "a", cluster_shape(L, E, other), 4 << 20)
 
 
 def test_merge_weights_by_tokens_and_takes_the_biggest_peers_predictor():
@@ -115,8 +112,8 @@ def test_warm_start_reaches_the_extractor_and_the_learner(tmp_path):
     fresh = Learning.create(L, E, K, config())
     apply_to_extractor(fresh.extractor, warm)
     fx = fresh.extractor.features
-    np.testing.assert_allclose(fx.ema[64], warm.popularity)
-    np.testing.assert_array_equal(fx.tr_c, peer.extractor.features.tr_c)
+    np.testing.assert_allclose(fx.long_run_freq, warm.popularity)
+    np.testing.assert_array_equal(fx.transition_counts, peer.extractor.features.transition_counts)
     np.testing.assert_array_equal(fresh.extractor.pca.basis, peer.extractor.pca.basis)
     folder = write_predictor_checkpoint(warm, tmp_path / "ckpt")
     fresh.learner.load(folder)

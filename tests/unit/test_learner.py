@@ -72,8 +72,8 @@ def test_transition_counts_count_each_pair_of_consecutive_tokens_once():
                     for dst in experts[layer]:
                         want[layer, src, dst] += 1
         prev = experts
-    np.testing.assert_array_equal(fx.tr_c, want)
-    np.testing.assert_array_equal(fx.tr_n, want.sum(2) / K)
+    np.testing.assert_array_equal(fx.transition_counts, want)
+    np.testing.assert_array_equal(fx.transition_sources, want.sum(2) / K)
 
 
 def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
@@ -143,12 +143,14 @@ def test_the_fused_inference_equals_the_numpy_path(core, precision, rtol):
 
 
 def test_the_fused_inference_follows_the_weights_after_a_training_step():
+    from common.config import PredictorConfig
     from services.predictor import fast_infer
-    from services.predictor.core import Learner, LearnerParams
+    from services.predictor.core import Learner
 
     if fast_infer.load() is None:
         pytest.skip(fast_infer.why_not())
-    learner = Learner(L, E, DIMS, FEATURES, LearnerParams(train_every=4, window=4))
+    learner = Learner(L, E, DIMS, FEATURES,
+                      PredictorConfig(train_every_tokens=4, window_tokens=4))
     assert learner.inference == "fused C, int8 heads"  # the default
     rng = np.random.default_rng(3)
     for _ in range(8):  # two training steps
