@@ -14,10 +14,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common.store import ExpertStore  # noqa: E402
-from flashmoe.convert import convert_checkpoint  # noqa: E402
+from flashmoe.tools.convert import convert_checkpoint  # noqa: E402
 from common.bus import control_endpoint_for, ipc_endpoint  # noqa: E402
-from flashmoe.launch import start_cache_manager, stop_process  # noqa: E402
-from flashmoe.tiny_models import build_tiny_model  # noqa: E402
+from flashmoe.runtime.launch import start_cache_manager, stop_process  # noqa: E402
+from flashmoe.tools.tiny_models import build_tiny_model  # noqa: E402
 
 
 def pytest_configure(config) -> None:

@@ -15,9 +15,9 @@ import pytest
 
 from common.config import load_config
 from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
-from flashmoe.launch import child_env, cli_command
-from flashmoe.learning import warmup
-from flashmoe.synth_store import synth_store
+from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.sim.learning import warmup
+from flashmoe.tools.synth_store import synth_store
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
                                 reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")

@@ -8,8 +8,8 @@ import pytest
 
 from common.config import load_config
 from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
-from flashmoe import e2e_bench
-from flashmoe.learning import warmup
+from flashmoe.bench import e2e as e2e_bench
+from flashmoe.sim.learning import warmup
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
                                 reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")

@@ -4,7 +4,7 @@ import pytest
 
 from common.config import load_config
 from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
-from flashmoe import learner_cpu
+from flashmoe.bench import learner_cpu
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
                                 reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")

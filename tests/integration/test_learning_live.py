@@ -14,11 +14,11 @@ from common.bus import Publisher, ServiceUnavailable, stats
 from common.config import load_config
 from common.protocol import SCHEMA_VERSION, AccessEvent, encode
 from common.traces import DEFAULT_TRACES_DIR, Trace, load_gptoss20b, save_trace
-from flashmoe.device_model import DEVICES
-from flashmoe.launch import Launcher, child_env, cli_command
-from flashmoe.learning import LearningPath, Learning
-from flashmoe.simulator import replay_core
-from flashmoe.synth_store import synth_store
+from flashmoe.sim.device_model import DEVICES
+from flashmoe.runtime.launch import Launcher, child_env, cli_command
+from flashmoe.sim.learning import LearningPath, Learning
+from flashmoe.sim.replay import replay_core
+from flashmoe.tools.synth_store import synth_store
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "gptoss20b").is_dir(),
                                 reason=f"shared traces not found at {DEFAULT_TRACES_DIR}")
@@ -42,7 +42,7 @@ def setup(tmp_path_factory):
     evaluation_file = root / "eval.npz"
     save_trace(evaluation, evaluation_file)
     ckpt = root / "warmup"
-    from flashmoe.learning import warmup
+    from flashmoe.sim.learning import warmup
 
     warmup(train, load_config(env={}), ckpt)
     return {"store": store, "trace": evaluation, "trace_file": evaluation_file, "ckpt": ckpt,

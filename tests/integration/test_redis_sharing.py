@@ -33,8 +33,8 @@ from common.cluster import (
     write_predictor_checkpoint,
 )
 from common.config import load_config
-from flashmoe.cluster_bench import RedisServer
-from flashmoe.learning import Learning
+from flashmoe.bench.cluster import RedisServer
+from flashmoe.sim.learning import Learning
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None,
@@ -242,9 +242,9 @@ def test_flashmoe_run_shares_keeps_serving_without_redis_and_a_peer_warm_starts(
                                                                                tmp_path):
     from common.store import ExpertStore
     from common.traces import DEFAULT_TRACES_DIR, load_gptoss20b
-    from flashmoe.launch import child_env, cli_command
-    from flashmoe.learning import warmup
-    from flashmoe.synth_store import synth_store
+    from flashmoe.runtime.launch import child_env, cli_command
+    from flashmoe.sim.learning import warmup
+    from flashmoe.tools.synth_store import synth_store
     from tests.fault.test_run_faults import RunOutput
     from tests.integration.test_learning_live import sequences_slice
 

@@ -21,7 +21,7 @@ from common.cluster import (
     write_predictor_checkpoint,
 )
 from common.config import load_config
-from flashmoe.learning import Learning
+from flashmoe.sim.learning import Learning
 
 L, E, K = 3, 8, 2
 

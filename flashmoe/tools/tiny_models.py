@@ -4,7 +4,7 @@ Nothing is downloaded: the model classes are transformers' own, the weights are 
 ``save_pretrained`` writes the same safetensors keys a real checkpoint has (per-expert keys for
 Qwen3-MoE, OLMoE and Mixtral, a layer's experts fused for GPT-OSS). Each model is saved with a
 small byte-level BPE tokenizer trained here, with the ``tokenizers`` library, on this
-repository's own text, so that text generation works end to end. Tests and the demo use these;
+repository's own text, so that text generation works end to end. Tests use these;
 real checkpoints are a user's local folder.
 """
 
@@ -20,7 +20,7 @@ FAMILY_CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 BOS, EOS = "<|bos|>", "<|eos|>"  # ids 0 and 1, as in every tiny config
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The tokenizer's training text: this repository's README, then the text of its common/
 # modules (a fixed, local corpus: the same checkout always gives the same tokenizer).
 CORPUS = (ROOT / "README.md", *sorted((ROOT / "common").glob("*.py")))

@@ -34,8 +34,8 @@ import zmq
 
 from common.cache_client import CacheClient
 from common.store import ExpertStore
-from flashmoe.device_model import DEVICES, MODEL_SHAPES
-from flashmoe.launch import start_cache_manager, stop_process
+from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
+from flashmoe.runtime.launch import start_cache_manager, stop_process
 from services.cache_manager.core import CacheManagerCore
 
 

@@ -36,8 +36,8 @@ from common.bus import ServiceUnavailable, ipc_endpoint, stats
 from common.cluster import summary_of_stats
 from common.config import ENV_PREFIX, ConfigError, FlashMoEConfig
 from common.traces import DEFAULT_TRACES_DIR, Trace, load_trace
-from flashmoe.supervisor import ServiceSpec, SupervisionError, Supervisor
-from flashmoe.synth_store import synth_store
+from flashmoe.runtime.supervisor import ServiceSpec, SupervisionError, Supervisor
+from flashmoe.tools.synth_store import synth_store
 
 DEFAULT_SCALE = 0.03  # ~1.3 GB of experts: made in well under a minute
 WARMUP_TOKENS = 12_000
@@ -60,8 +60,8 @@ def _first_tokens(trace: Trace, tokens: int) -> Trace:
 def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str | None,
             traces_dir: Path, say=print) -> tuple[str, str]:
     """The store and warm-up checkpoint to run with, made when missing."""
-    from flashmoe.learning import warmup as run_warmup
-    from flashmoe.learning import warmup_fits
+    from flashmoe.sim.learning import warmup as run_warmup
+    from flashmoe.sim.learning import warmup_fits
 
     home.mkdir(parents=True, exist_ok=True)
     if store is None:

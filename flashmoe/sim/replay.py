@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from common.config import FlashMoEConfig
 from common.traces import Trace, TraceError
-from flashmoe.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
+from flashmoe.sim.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
 from services.cache_manager.core import AcquireFailed, CacheManagerCore
 from services.cache_manager.policies import (POLICIES, PolicyError, make_policy, needs_core,
                                              needs_future)
@@ -296,7 +296,7 @@ def _hooks_for(policy: str, trace: Trace, config, options: dict):
     """The learning path (for a policy that takes estimates) and the inline prefetcher (with
     ``--prefetch``, unless ``prefetch.inline`` is off, as in the cache manager), or (None,
     None)."""
-    from flashmoe.learning import Learning, LearningPath
+    from flashmoe.sim.learning import Learning, LearningPath
     from services.cache_manager.policies import POLICIES
     from services.cache_manager.prefetcher import NextLayerPrefetcher, PrefetcherParams
 

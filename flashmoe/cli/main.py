@@ -12,7 +12,7 @@ from common.model_families import UnsupportedModelError
 from common.safetensors_io import SafetensorsError
 from common.store import StoreError
 from common.traces import DEFAULT_TRACES_DIR, TraceError
-from flashmoe.device_model import DEVICES as DEVICE_NAMES
+from flashmoe.sim.device_model import DEVICES as DEVICE_NAMES
 from flashmoe.errors import CheckpointError
 from flashmoe.reports import write_json
 from services.cache_manager.policies import PolicyError
@@ -58,7 +58,7 @@ def _csv(kind):
 
 
 def cmd_convert(args) -> int:
-    from flashmoe.convert import convert_checkpoint
+    from flashmoe.tools.convert import convert_checkpoint
 
     overrides = list(args.set)
     if args.block_size:
@@ -80,7 +80,7 @@ def cmd_convert(args) -> int:
 def cmd_generate(args) -> int:
     import tempfile
 
-    from flashmoe.launch import Launcher
+    from flashmoe.runtime.launch import Launcher
     from services.inference_worker.generate import generate
 
     config = _config(args, args.store)
@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_synth_store(args) -> int:
-    from flashmoe.synth_store import synth_store
+    from flashmoe.tools.synth_store import synth_store
 
     overrides = list(args.set)
     if args.block_size:
@@ -122,7 +122,7 @@ def cmd_synth_store(args) -> int:
     if args.parallelism:
         overrides.append(f"store.parallelism={args.parallelism}")
     config = load_config(profile=args.profile, file=args.config, overrides=overrides)
-    from flashmoe.synth_store import DEFAULT_SCALE
+    from flashmoe.tools.synth_store import DEFAULT_SCALE
 
     scale = DEFAULT_SCALE if args.scale is None else args.scale
     store = synth_store(args.store, args.shape, scale, config.store.block_size,
@@ -149,13 +149,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_io_bench(args) -> int:
-    from flashmoe import io_bench
+    from flashmoe.bench import io as io_bench
 
     extra = {}
     if args.with_manager:
         from functools import partial
 
-        from flashmoe.prefetch_stream import manager_prefetch_stream
+        from flashmoe.bench.prefetch_stream import manager_prefetch_stream
 
         extra["manager-prefetch"] = partial(manager_prefetch_stream, args.store)
     results = io_bench.io_bench(args.store, args.engine, args.depth, repeat=args.repeat,
@@ -166,7 +166,7 @@ def cmd_io_bench(args) -> int:
 
 
 def cmd_acquire_bench(args) -> int:
-    from flashmoe import acquire_bench
+    from flashmoe.bench import acquire as acquire_bench
 
     result = acquire_bench.acquire_bench(args.store, iterations=args.iterations,
                                          engine=args.engine, rounds=args.rounds)
@@ -226,7 +226,7 @@ def cmd_build_helper(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from flashmoe.tiny_models import build_tiny_model
+    from flashmoe.tools.tiny_models import build_tiny_model
 
     out = build_tiny_model(args.family, args.out, seed=args.seed, layers=args.layers,
                            experts=args.experts, top_k=args.top_k, hidden=args.hidden,
@@ -235,16 +235,10 @@ def cmd_make_tiny_model(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    from flashmoe.demo import run_demo
-
-    return run_demo(Path(args.workdir), store_mib=args.store_mib)
-
-
 def cmd_bench(args) -> int:
     from common.traces import load_trace
-    from flashmoe import simulator
-    from flashmoe.device_model import DEVICES, shape_for_trace
+    from flashmoe.sim import replay as simulator
+    from flashmoe.sim.device_model import DEVICES, shape_for_trace
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     shape = shape_for_trace(trace, args.model, args.expert_bytes)
@@ -262,10 +256,10 @@ def cmd_warmup(args) -> int:
     from tqdm import tqdm
 
     from common.traces import load_trace
-    from flashmoe.learning import warmup
+    from flashmoe.sim.learning import warmup
 
     if args.text:
-        from flashmoe.text_warmup import warmup_from_text
+        from flashmoe.tools.text_warmup import warmup_from_text
 
         if not args.store:
             print("flashmoe warmup --text needs --store (the model that reads the text)",
@@ -287,7 +281,7 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_trace_record(args) -> int:
-    from flashmoe.trace_record import record_trace
+    from flashmoe.tools.trace_record import record_trace
 
     trace = record_trace(args.model, args.prompts, args.out, max_new_tokens=args.max_new_tokens)
     print(f"{args.out}: {trace.n_sequences} sequences, {trace.n_tokens} decode tokens, "
@@ -319,8 +313,8 @@ def cmd_bus_bench(args) -> int:
     import tempfile
 
     from common.traces import load_trace
-    from flashmoe import bus_bench
-    from flashmoe.synth_store import synth_store
+    from flashmoe.bench import bus as bus_bench
+    from flashmoe.tools.synth_store import synth_store
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     with tempfile.TemporaryDirectory(prefix="flashmoe-busbench-store-") as scratch:
@@ -338,9 +332,9 @@ def cmd_bus_bench(args) -> int:
 
 def cmd_task_shift(args) -> int:
     from common.traces import load_trace
-    from flashmoe import learning_report
-    from flashmoe.device_model import DEVICES, MODEL_SHAPES
-    from flashmoe.simulator import capacity_for
+    from flashmoe.bench import learning_report
+    from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
+    from flashmoe.sim.replay import capacity_for
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     report = learning_report.task_shift(
@@ -359,9 +353,10 @@ def cmd_learning_report(args) -> int:
     import dataclasses
 
     from common.traces import load_trace
-    from flashmoe import learning_report, simulator
-    from flashmoe.device_model import DEVICES, MODEL_SHAPES
-    from flashmoe.learning import Learning
+    from flashmoe.bench import learning_report
+    from flashmoe.sim import replay as simulator
+    from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
+    from flashmoe.sim.learning import Learning
     from services.predictor import fast_infer
 
     trace = load_trace(args.trace, Path(args.traces_dir))
@@ -397,7 +392,7 @@ def cmd_learning_report(args) -> int:
 
 def cmd_learner_cpu(args) -> int:
     from common.traces import load_trace
-    from flashmoe import learner_cpu
+    from flashmoe.bench import learner_cpu
 
     trace = load_trace(args.trace, Path(args.traces_dir))
     report = learner_cpu.measure(trace, _config(args), args.warmup, args.pause_ms, args.tokens)
@@ -408,8 +403,8 @@ def cmd_learner_cpu(args) -> int:
 
 def cmd_ablations(args) -> int:
     from common.traces import load_trace
-    from flashmoe import ablations
-    from flashmoe.device_model import DEVICES, MODEL_SHAPES
+    from flashmoe.bench import ablations
+    from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
 
     fit = load_trace("gptoss20b:fit", Path(args.traces_dir))
     dev = load_trace("gptoss20b:dev", Path(args.traces_dir))
@@ -433,7 +428,7 @@ def cmd_health(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from flashmoe.doctor import FAIL, doctor, format_checks
+    from flashmoe.runtime.doctor import FAIL, doctor, format_checks
 
     checks = doctor(_config(args), args.store)
     print(format_checks(checks))
@@ -463,8 +458,8 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from flashmoe.run import format_summary, run
-    from flashmoe.supervisor import SupervisionError
+    from flashmoe.runtime.run import format_summary, run
+    from flashmoe.runtime.supervisor import SupervisionError
 
     overrides = ["cache.policy=flashmoe", f"cache.capacity_experts={args.capacity}",
                  *_overrides(args)]
@@ -482,14 +477,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_e2e_bench(args) -> int:
-    from flashmoe import e2e_bench
+    from flashmoe.bench import e2e as e2e_bench
 
     workdir = Path(args.workdir)
     warmup = args.warmup
     if warmup is None and "flashmoe" in args.modes:
         from common.traces import load_trace
-        from flashmoe.learning import warmup as run_warmup
-        from flashmoe.learning import warmup_fits
+        from flashmoe.sim.learning import warmup as run_warmup
+        from flashmoe.sim.learning import warmup_fits
 
         warmup = str(workdir / "warmup")
         config = load_config(env={}, overrides=list(args.set))  # as the flashmoe mode runs
@@ -505,7 +500,7 @@ def cmd_e2e_bench(args) -> int:
 
 
 def cmd_cluster_bench(args) -> int:
-    from flashmoe import cluster_bench
+    from flashmoe.bench import cluster as cluster_bench
 
     overrides = ["cache.policy=flashmoe", *_overrides(args)]
     config = load_config(profile=args.profile, file=args.config, overrides=overrides)
@@ -518,7 +513,7 @@ def cmd_cluster_bench(args) -> int:
 
 
 def cmd_flat_worker(args) -> int:
-    from flashmoe.e2e_bench import main_flat_worker
+    from flashmoe.bench.e2e import main_flat_worker
 
     return main_flat_worker(args)
 
@@ -661,11 +656,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-intermediate", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
-
-    p = sub.add_parser("demo", help="the main job: tiny model -> store -> verify -> benchmarks")
-    p.add_argument("--workdir", default=".flashmoe/demo")
-    p.add_argument("--store-mib", type=int, default=256, help="approximate store size")
-    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="replay a routing trace through cache policies")
     p.add_argument("--trace", default="gptoss20b:eval",

@@ -23,7 +23,7 @@ import numpy as np
 from common.bus import ipc_endpoint
 from common.cache_client import CacheClient
 from common.store import ExpertStore
-from flashmoe.launch import start_cache_manager, stop_process
+from flashmoe.runtime.launch import start_cache_manager, stop_process
 
 WINDOW = 8
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from common.model_families import GPT_OSS_PROJECTIONS, gpt_oss_expert_shapes
 from common.store import ExpertStore, StoreError
-from flashmoe.store_writer import StoreMeta, TensorSpec, write_store
+from flashmoe.tools.store_writer import StoreMeta, TensorSpec, write_store
 
 DEFAULT_SCALE = 0.21
 POOL_VALUES = 1 << 24  # random bf16 values that experts are cut from

@@ -1,6 +1,6 @@
 """Start FlashMoE services as real local processes (tests, benchmarks, `flashmoe run`).
 
-Every child runs ``python -m flashmoe.cli <service command>`` with its output in
+Every child runs ``python -m flashmoe <service command>`` with its output in
 ``<runtime_dir>/<service>.log``; a child counts as started once its control socket answers a
 health check, and one that dies before that raises ``ServiceStartError`` quoting the tail of
 its log. Shared-memory arenas left in /dev/shm by dead processes are swept when a launcher
@@ -21,7 +21,7 @@ from common.arena import sweep_stale_arenas
 from common.bus import ServiceUnavailable, control_endpoint_for, health, ipc_endpoint
 from common.config import FlashMoEConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 20
 
 
@@ -35,7 +35,7 @@ def child_env() -> dict[str, str]:
 
 
 def cli_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flashmoe.cli", *args]
+    return [sys.executable, "-m", "flashmoe", *args]
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -16,7 +16,7 @@ import time
 
 from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
-from flashmoe.learning import Learning
+from flashmoe.sim.learning import Learning
 
 
 def _spin(seconds: float) -> None:

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from common.store import ExpertStore
-from flashmoe.io_bench import drop_page_cache
-from flashmoe.launch import Launcher, child_env, cli_command, stop_process
+from flashmoe.bench.io import drop_page_cache
+from flashmoe.runtime.launch import Launcher, child_env, cli_command, stop_process
 
 MODES = ("flashmoe", "lru", "mmap", "ram")
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -188,7 +188,7 @@ def _learner_cpu(launcher: Launcher) -> dict:
     """The learning path's CPU a token (the extractor's and the predictor's learning threads),
     from their control sockets, as `flashmoe run` reports it; empty if they do not answer."""
     from common.bus import ServiceUnavailable, stats
-    from flashmoe.run import learner_cpu_by_stage
+    from flashmoe.runtime.run import learner_cpu_by_stage
 
     try:
         stages = learner_cpu_by_stage(
@@ -328,7 +328,7 @@ def summarize(runs: list[Run], tokens: int) -> dict:
 def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, rounds: int,
               modes: list[str], warmup: str, trace: str = "gptoss20b:eval", seed: int = 0,
               shape: str = "gpt-oss-20b", settings: tuple[str, ...] = (), say=print) -> dict:
-    from flashmoe.synth_store import synth_store
+    from flashmoe.tools.synth_store import synth_store
 
     workdir.mkdir(parents=True, exist_ok=True)
     store = synth_store(workdir / f"store-{shape}-{scale}", shape, scale, show_progress=False)

@@ -42,9 +42,9 @@ from common.cluster import (
 )
 from common.config import FlashMoEConfig
 from common.traces import DEFAULT_TRACES_DIR, TokenStream, Trace, load_trace
-from flashmoe.device_model import DEVICES, shape_for_trace
-from flashmoe.learning import Learning, LearningPath, warmup
-from flashmoe.simulator import capacity_for, replay_core
+from flashmoe.sim.device_model import DEVICES, shape_for_trace
+from flashmoe.sim.learning import Learning, LearningPath, warmup
+from flashmoe.sim.replay import capacity_for, replay_core
 
 PEER, DEVICE = "peer-train", "new-device"
 EARLY = (100, 250, 500)  # also reported: the hit rate over the first this many tokens
@@ -125,7 +125,7 @@ def cluster_bench(config: FlashMoEConfig, workdir: Path, redis_url: str | None =
                   tokens: int = 1000, fraction: float = 0.25, warmup_tokens: int = 12_000,
                   device: str = "orin-980pro", traces_dir: Path = DEFAULT_TRACES_DIR,
                   say=print) -> dict:
-    from flashmoe.run import _first_tokens
+    from flashmoe.runtime.run import _first_tokens
 
     workdir.mkdir(parents=True, exist_ok=True)
     train = _first_tokens(load_trace("gptoss20b:train", traces_dir), warmup_tokens)

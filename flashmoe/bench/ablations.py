@@ -17,9 +17,9 @@ from pathlib import Path
 
 from common.config import FlashMoEConfig
 from common.traces import Trace
-from flashmoe.device_model import DeviceModel, ModelShape
-from flashmoe.learning import warmup
-from flashmoe.simulator import run_bench
+from flashmoe.sim.device_model import DeviceModel, ModelShape
+from flashmoe.sim.learning import warmup
+from flashmoe.sim.replay import run_bench
 
 # name -> (config changes {section: {field: value}}, what it tests)
 VARIANTS: dict[str, tuple[dict, str]] = {

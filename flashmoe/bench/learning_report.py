@@ -24,10 +24,10 @@ import numpy as np
 
 from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
-from flashmoe.device_model import DeviceModel, ModelShape
-from flashmoe.learning import Learning, LearningPath
+from flashmoe.sim.device_model import DeviceModel, ModelShape
+from flashmoe.sim.learning import Learning, LearningPath
 from services.predictor.core import next_token_recall_per_layer, recall_at
-from flashmoe.simulator import SIM_WORKER, replay_core
+from flashmoe.sim.replay import SIM_WORKER, replay_core
 
 
 def shuffled(trace: Trace, seed: int = 0) -> Trace:

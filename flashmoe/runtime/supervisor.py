@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common.arena import sweep_stale_arenas
 from common.config import FlashMoEConfig
-from flashmoe.launch import Child, Launcher, ServiceStartError, log_tail
+from flashmoe.runtime.launch import Child, Launcher, ServiceStartError, log_tail
 
 log = logging.getLogger("flashmoe.supervisor")
 
@@ -157,7 +157,7 @@ class Supervisor:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Everything down, in reverse start order; no process, socket or arena left."""
-        from flashmoe.launch import stop_process
+        from flashmoe.runtime.launch import stop_process
 
         for t in reversed(list(self.tracked.values())):
             if t.proc is not None:

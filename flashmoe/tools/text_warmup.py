@@ -6,7 +6,7 @@ What a user has is text, not a routing trace: the file is cut into sequences at 
 through the model token by token (teacher-forced: token i is the input of step i + 1, as in
 decoding), with the experts coming from a live cache manager's arena exactly as in
 `flashmoe generate`. The routing of every step becomes a trace (saved beside the
-checkpoint as ``text_trace.npz``) on which ``flashmoe.learning.warmup`` trains.
+checkpoint as ``text_trace.npz``) on which ``flashmoe.sim.learning.warmup`` trains.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def warmup_from_text(store_path: str | Path, text_file: str | Path, out: str | P
                      passes: int = 2, say=print) -> dict:
     """Record the routing of ``text_file`` through a cache manager started for it, then
     pre-train on it; returns the warm-up's summary."""
-    from flashmoe.launch import Launcher
-    from flashmoe.learning import warmup
+    from flashmoe.runtime.launch import Launcher
+    from flashmoe.sim.learning import warmup
 
     with tempfile.TemporaryDirectory(prefix="flashmoe-warmup-") as runtime:
         launcher = Launcher(config, Path(runtime))

@@ -91,7 +91,7 @@ def raw_throughput(trace: Trace, count: int = 20_000) -> dict:
 
 def pipeline_throughput(trace: Trace, store: str, rates: list[float], seconds: float = 10.0,
                         config: FlashMoEConfig | None = None) -> list[dict]:
-    from flashmoe.launch import Launcher
+    from flashmoe.runtime.launch import Launcher
 
     config = config or load_config(env={}, overrides=[f"store.path={store}"])
     runtime = Path(tempfile.mkdtemp(prefix="flashmoe-busbench-"))

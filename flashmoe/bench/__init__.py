@@ -1,0 +1,1 @@
+"""The benchmark programs: each prints its table and writes its JSON (and plot)."""
