@@ -27,7 +27,8 @@ from common.traces import TokenStream, Trace
 from flashmoe.sim.device_model import DeviceModel, ModelShape
 from flashmoe.sim.learning import Learning, LearningPath
 from services.predictor.core import next_token_recall_per_layer, recall_at
-from flashmoe.sim.replay import SIM_WORKER, replay_core
+from flashmoe.sim.hooks import SIM_WORKER
+from flashmoe.sim.replay import replay_core
 
 
 def shuffled(trace: Trace, seed: int = 0) -> Trace:

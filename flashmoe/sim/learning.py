@@ -28,7 +28,7 @@ from common.config import FlashMoEConfig
 from common.threads import prepare_learning_path
 from common.traces import TokenStream, Trace
 from flashmoe.errors import CheckpointError
-from flashmoe.sim.replay import SIM_WORKER, ReplayHooks
+from flashmoe.sim.hooks import SIM_WORKER, ReplayHooks
 from services.cache_manager.core import CacheManagerCore
 from services.feature_extractor.core import (FEATURES, ExtractorCore, load_checkpoint,
                                              save_checkpoint)

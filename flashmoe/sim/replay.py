@@ -39,6 +39,7 @@ from tqdm import tqdm
 from common.config import FlashMoEConfig
 from common.traces import Trace, TraceError
 from flashmoe.sim.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
+from flashmoe.sim.hooks import SIM_WORKER, ReplayHooks
 from services.cache_manager.core import AcquireFailed, CacheManagerCore
 from services.cache_manager.policies import (POLICIES, PolicyError, make_policy, needs_core,
                                              needs_future)
@@ -46,7 +47,6 @@ from services.cache_manager.policies.belady import NEVER
 from services.inference_worker.core import acquire_schedule
 
 MODES = ("core", "requests")
-SIM_WORKER = b"simulated-worker"
 
 
 @dataclass
@@ -127,25 +127,6 @@ class CoreRun:
     stats: dict  # the core's counters, summed over its lifetimes
     total_ms: float  # virtual time of the whole replay
     stall_ms: float  # of which layers waited for reads
-
-
-class ReplayHooks:
-    """What runs beside the cache manager's core in a replay (the learning path, the inline
-    prefetcher): called on the virtual clock, in stream order. The default does nothing."""
-
-    def start(self, core: CacheManagerCore) -> None:
-        """A cache lifetime begins (once in the global scope, per sequence in the layer one)."""
-
-    def before_request(self, core: CacheManagerCore, now_ms: float, token: int,
-                       layer: int) -> None:
-        """Before each acquire: e.g. deliver the newest prediction on its cadence."""
-
-    def after_request(self, core: CacheManagerCore, now_ms: float, token: int, layer: int,
-                      experts: list[int]) -> None:
-        """After each acquire was answered: e.g. hint the next layers' experts."""
-
-    def after_token(self, token: int, now_ms: float) -> None:
-        """A token's last layer ran: its access event goes down the learning path."""
 
 
 def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: DeviceModel,
