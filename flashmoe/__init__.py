@@ -2,8 +2,11 @@
 
 import os
 
+__version__ = "0.1.0"
+
 # Every FlashMoE process does small matrix work beside other busy processes on a small box;
 # BLAS thread pools that spin-wait for work slow that down by an order of magnitude. Set before
-# numpy is first imported (every process starts in flashmoe.cli); a user's setting wins.
+# numpy is first imported (every FlashMoE process imports this package first); a user's
+# setting wins.
 for _variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")

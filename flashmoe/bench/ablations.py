@@ -17,6 +17,8 @@ from pathlib import Path
 
 from common.config import FlashMoEConfig
 from common.traces import Trace
+from flashmoe.cli.options import (add_config_flags, add_json, add_traces_dir, config, csv,
+                                  save, traces_dir)
 from flashmoe.sim.device_model import DeviceModel, ModelShape
 from flashmoe.sim.learning import warmup
 from flashmoe.sim.replay import run_bench
@@ -117,3 +119,26 @@ def format_table(report: dict) -> str:
     lines.append(f"warm-up on {report['warm_on']}, measured on {report['measured_on']}, global "
                  f"scope; wall {report['wall_s']} s")
     return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--variants", type=csv(str), default=None,
+                   help="which ablations (default: all; see flashmoe/bench/ablations.py)")
+    p.add_argument("--capacity", type=csv(float), default=[0.125, 0.25])
+    p.add_argument("--jobs", type=int, default=2)
+    add_traces_dir(p)
+    add_json(p)
+    add_config_flags(p)
+
+
+def run(args) -> int:
+    from common.traces import load_trace
+    from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
+
+    fit = load_trace("gptoss20b:fit", traces_dir(args))
+    dev = load_trace("gptoss20b:dev", traces_dir(args))
+    report = ablations(fit, dev, DEVICES["orin-980pro"], MODEL_SHAPES[fit.model], config(args),
+                       args.variants, tuple(args.capacity), args.jobs)
+    print(format_table(report))
+    save(args, report)
+    return 0

@@ -34,6 +34,7 @@ import zmq
 
 from common.cache_client import CacheClient
 from common.store import ExpertStore
+from flashmoe.cli.options import add_json, save
 from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
 from flashmoe.runtime.launch import start_cache_manager, stop_process
 from services.cache_manager.core import CacheManagerCore
@@ -214,3 +215,20 @@ def format_table(result: dict) -> str:
             f"over rounds; the miss stream ran at "
             f"{result['under_misses']['miss_acquires_per_s']:.0f} acquires/s, every one a miss)"]
     return "\n".join(rows)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("store")
+    p.add_argument("--iterations", type=int, default=20000)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds (each figure: the median over rounds)")
+    p.add_argument("--engine", default="auto")
+    add_json(p)
+
+
+def run(args) -> int:
+    result = acquire_bench(args.store, iterations=args.iterations, engine=args.engine,
+                           rounds=args.rounds)
+    print(format_table(result))
+    save(args, result)
+    return 0

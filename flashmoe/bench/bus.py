@@ -24,6 +24,8 @@ from common.bus import Publisher, Subscriber, ipc_endpoint, stats
 from common.config import FlashMoEConfig, load_config
 from common.protocol import AccessEvent, LearningMessage
 from common.traces import TokenStream, Trace
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir, csv,
+                                  save, traces_dir)
 
 TARGET_ACCESSES_PER_S = 1_000_000
 TARGET_TOKENS_PER_S = 100
@@ -163,3 +165,33 @@ def format_table(report: dict) -> str:
     rows.append(f"(target: {TARGET_TOKENS_PER_S} tokens/s through worker -> extractor -> "
                 f"predictor without loss)")
     return "\n".join(rows)
+
+
+def add_arguments(p) -> None:
+    add_trace(p)
+    add_traces_dir(p)
+    p.add_argument("--store", help="a store of the trace's shape (default: a tiny synthetic one)")
+    p.add_argument("--events", type=int, default=20_000, help="events of the raw test")
+    p.add_argument("--rates", type=csv(float), default=[100.0, 200.0],
+                   help="tokens/s fed through extractor and predictor")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each rate's run")
+    add_json(p)
+    add_config_flags(p)
+
+
+def run(args) -> int:
+    from common.traces import load_trace
+    from flashmoe.tools.synth_store import synth_store
+
+    trace = load_trace(args.trace, traces_dir(args))
+    with tempfile.TemporaryDirectory(prefix="flashmoe-busbench-store-") as scratch:
+        store = args.store or str(synth_store(Path(scratch) / "store", "gpt-oss-tiny", 1.0,
+                                              8192, 3, show_progress=False).path)
+        report = {"trace": trace.name, "raw": raw_throughput(trace, args.events),
+                  "pipeline": pipeline_throughput(
+                      trace, store, args.rates, args.seconds,
+                      load_config(profile=args.profile, file=args.config,
+                                  overrides=[f"store.path={store}", *args.set]))}
+    print(format_table(report))
+    save(args, report)
+    return 0

@@ -41,6 +41,8 @@ from common.cluster import (
     write_predictor_checkpoint,
 )
 from common.config import FlashMoEConfig
+from flashmoe.cli.options import (add_config_flags, add_device, add_json, add_plot,
+                                  add_traces_dir, config, save, traces_dir)
 from common.traces import DEFAULT_TRACES_DIR, TokenStream, Trace, load_trace
 from flashmoe.sim.device_model import DEVICES, shape_for_trace
 from flashmoe.sim.learning import Learning, LearningPath, warmup
@@ -247,3 +249,26 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--workdir", default=".flashmoe/cluster-bench", help="the local warm-up")
+    p.add_argument("--tokens", type=int, default=1000, help="first tokens of the eval split")
+    p.add_argument("--capacity", type=float, default=0.25, help="fraction of all experts")
+    p.add_argument("--warmup-tokens", type=int, default=12_000,
+                   help="train-split tokens the peer served (and the local warm-up uses)")
+    add_device(p)
+    add_traces_dir(p)
+    add_json(p)
+    add_plot(p)
+    add_config_flags(p)  # --redis URL: that Redis, else a private redis-server
+
+
+def run(args) -> int:
+    settings = config(args, first=["cache.policy=flashmoe"])
+    report = cluster_bench(settings, Path(args.workdir), settings.cluster.redis_url or None,
+                           args.tokens, args.capacity, args.warmup_tokens, args.device,
+                           traces_dir(args))
+    print(format_table(report))
+    save(args, report, plot)
+    return 0

@@ -39,8 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from common.store import ExpertStore
+from flashmoe.cli.options import (add_json, add_plot, add_set, add_trace, add_traces_dir,
+                                  add_warmup, csv, save, traces_dir)
 from flashmoe.bench.io import drop_page_cache
-from flashmoe.runtime.launch import Launcher, child_env, cli_command, stop_process
+from flashmoe.runtime.launch import Launcher, child_env, stop_process
 
 MODES = ("flashmoe", "lru", "mmap", "ram")
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -261,8 +263,8 @@ def run_flat(mode: str, flat: Path, store: str, trace: str, tokens: int, budget_
              workdir: Path, budget: float) -> Run:
     """mmap (the page cache, held to the budget by a cgroup) or ram (everything read in)."""
     out = Path(tempfile.mkdtemp(prefix=f"flashmoe-e2e-{mode}-", dir=workdir)) / "worker.json"
-    cmd = cli_command("flat-worker", "--file", str(flat), "--store", store, "--trace", trace,
-                      "--tokens", str(tokens), "--json", str(out))
+    cmd = [sys.executable, "-m", "flashmoe.bench.flat_worker", "--file", str(flat), "--store",
+           store, "--trace", trace, "--tokens", str(tokens), "--json", str(out)]
     if mode == "ram":
         cmd.append("--in-ram")
     group = None
@@ -427,62 +429,43 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main_flat_worker(args) -> int:
-    """The worker of the mmap and ram modes (`flashmoe flat-worker`)."""
-    import mmap as mmap_module
 
-    from common.arena import expert_torch_views
-    from common.traces import load_trace
-    from services.inference_worker.trace_compute import TraceExperts
+def add_arguments(p) -> None:
+    p.add_argument("--workdir", default=".flashmoe/e2e", help="store, expert file, warm-up")
+    p.add_argument("--scale", type=float, default=0.21,
+                   help="gpt-oss-20b expert size multiplier (0.21: an ~8 GB store)")
+    p.add_argument("--shape", default="gpt-oss-20b",
+                   help="gpt-oss-20b; qwen3-moe-1.7b (the mmap calibration against llama.cpp, "
+                        "with --trace warp:olmoe --modes mmap,ram); gpt-oss-tiny (tests)")
+    add_trace(p, help="the routing replayed (its first --tokens decode steps)")
+    p.add_argument("--budget", type=csv(float), default=[0.25],
+                   help="RAM budget(s) as fractions of all experts' bytes")
+    p.add_argument("--tokens", type=int, default=200, help="decode steps of the eval split")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode")
+    p.add_argument("--modes", type=csv(str), default=["flashmoe", "lru", "mmap", "ram"])
+    add_warmup(p, help="the learned policy's warm-up (default: made from train, once)")
+    add_traces_dir(p)
+    add_json(p)
+    add_plot(p)
+    add_set(p, help="a config override for the flashmoe mode (repeatable)")
 
-    index = json.loads(Path(args.file).with_suffix(".json").read_text())["experts"]
-    store = ExpertStore.open(args.store)
 
-    trace = load_trace(args.trace)
-    compute = TraceExperts(args.store, lambda *a: fetch(*a))
-    if args.cgroup:  # from here on, what this process maps and allocates counts
-        (Path(args.cgroup) / "cgroup.procs").write_text(str(os.getpid()))
-    fd = os.open(args.file, os.O_RDONLY)
-    size = os.fstat(fd).st_size
-    started = time.perf_counter()
-    if args.in_ram:
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        with open(args.file, "rb", buffering=0) as f:
-            got = 0
-            while got < size:
-                got += f.readinto(view[got:])
-    else:
-        buffer = mmap_module.mmap(fd, size, mmap_module.MAP_SHARED, mmap_module.PROT_READ)
-    load_s = time.perf_counter() - started
-    from common.model_families import FAMILIES
+def run(args) -> int:
+    workdir = Path(args.workdir)
+    warmup = args.warmup
+    if warmup is None and "flashmoe" in args.modes:
+        from common.config import load_config
+        from common.traces import load_trace
+        from flashmoe.sim.learning import warmup as run_warmup
+        from flashmoe.sim.learning import warmup_fits
 
-    family = FAMILIES[store.manifest.model_family]
-
-    def fetch(layer, experts, release, token):
-        out = []
-        for expert in experts:
-            offset, _ = index[f"{layer},{expert}"]
-            entry = store.expert(layer, expert)
-            data = memoryview(buffer)[offset:offset + entry.nbytes]
-            out.append(family.expert_parameters(entry, data, expert_torch_views(data, entry)))
-        return out
-
-    token_ms = []
-    before = read_bytes(os.getpid())
-    k = trace.top_k
-    for t in range(min(args.tokens, trace.n_tokens)):
-        t0 = time.perf_counter()
-        hidden = compute.new_token("")
-        for layer in range(trace.num_layers):
-            weights = trace.probs[t, layer].astype(float).tolist() \
-                if trace.probs is not None else [1.0 / k] * k
-            hidden = compute.step(hidden, layer, trace.experts[t, layer].tolist(), weights)
-        token_ms.append((time.perf_counter() - t0) * 1e3)
-    Path(args.json).write_text(json.dumps({"token_ms": token_ms, "load_s": load_s,
-                                           "read_bytes": read_bytes(os.getpid()) - before}))
+        warmup = str(workdir / "warmup")
+        config = load_config(env={}, overrides=list(args.set))  # as the flashmoe mode runs
+        if not warmup_fits(warmup, config):
+            print("[e2e] warming the learned policy up on the train split (first use only)")
+            run_warmup(load_trace("gptoss20b:train", traces_dir(args)), config, warmup)
+    report = e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds, args.modes,
+                       warmup, trace=args.trace, shape=args.shape, settings=args.set)
+    print(format_table(report))
+    save(args, report, plot)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(0)

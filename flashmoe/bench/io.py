@@ -17,6 +17,7 @@ fresh random order, so that the disk's drift hits all alike.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import numpy as np
 
 from common.arena import Arena
 from common.store import ALIGN, ExpertStore, round_up
+from flashmoe.cli.options import add_json, csv, save
 from services.cache_manager.io_engine import open_engine
 
 log = logging.getLogger(__name__)
@@ -227,3 +229,29 @@ def report(results: list[IOBenchResult], store_path: str) -> dict:
     if len(runs) == 1:
         doc.update(runs[0])
     return doc
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store")
+    p.add_argument("--engine", type=csv(str), default=["uring"],
+                   help="uring, pread or auto; comma-separated for several")
+    p.add_argument("--depth", type=csv(int), default=[8], help="queue depth(s), e.g. 1,8,32")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved passes per figure (median)")
+    p.add_argument("--no-fio", action="store_true", help="skip the fio ceiling")
+    p.add_argument("--with-manager", action="store_true",
+                   help="also a live cache manager loading every expert by PrefetchHints "
+                        "(row manager-prefetch), in the same rounds")
+    add_json(p)
+
+
+def run(args) -> int:
+    extra = {}
+    if args.with_manager:
+        from flashmoe.bench.prefetch_stream import manager_prefetch_stream
+
+        extra["manager-prefetch"] = partial(manager_prefetch_stream, args.store)
+    results = io_bench(args.store, args.engine, args.depth, repeat=args.repeat,
+                       with_fio=not args.no_fio, extra=extra)
+    print(format_table(results))
+    save(args, report(results, args.store))
+    return 0

@@ -16,6 +16,8 @@ import time
 
 from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir,
+                                  add_warmup, config, csv, save, traces_dir)
 from flashmoe.sim.learning import Learning
 
 
@@ -67,3 +69,24 @@ def format_table(report: dict) -> str:
     lines.append(f"{report['tokens']} tokens of {report['trace']} a row, predictor "
                  f"{report['model']}, one process, one thread")
     return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    add_trace(p)
+    add_traces_dir(p)
+    add_warmup(p)
+    p.add_argument("--pause-ms", type=csv(float), default=[0.0, 5.0, 60.0],
+                   help="pauses between tokens to measure (0: a tight loop)")
+    p.add_argument("--tokens", type=int, default=300, help="tokens a row")
+    add_json(p)
+    add_config_flags(p)
+
+
+def run(args) -> int:
+    from common.traces import load_trace
+
+    trace = load_trace(args.trace, traces_dir(args))
+    report = measure(trace, config(args), args.warmup, args.pause_ms, args.tokens)
+    print(format_table(report))
+    save(args, report)
+    return 0
