@@ -1,12 +1,7 @@
-"""Model-shape profiles and device models for turning hit counts into time and bandwidth.
+"""Device models for turning hit counts into time and bandwidth, on the model shapes of
+``common.model_families.MODEL_SHAPES`` (bytes per expert and per layer).
 
 Every number here is an assumption, printed by `flashmoe bench` next to its results.
-
-Expert bytes: one expert's weights in the checkpoint's own precision.
-  - gpt-oss-20b: gate_up 2880x5760 + down 2880x2880 = 24.88 M weights per expert in MXFP4
-    (4 bits + one 8-bit scale per 32 weights = 4.25 bits), plus bf16 biases.
-  - qwen3-30b-a3b: 3 x 2048 x 768 bf16.
-  - olmoe-1b-7b: 3 x 2048 x 1024 bf16.
 
 Per-token time (demand fetching, no prefetch): each layer computes for ``compute_ms_per_layer``
 and first waits for its missed experts, read in parallel: one ``ssd_latency_ms`` plus
@@ -21,32 +16,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from common.model_families import MODEL_SHAPES, ModelShape
 from common.traces import TraceError
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    num_layers: int
-    num_experts: int
-    top_k: int
-    expert_bytes: int
-    dense_bytes_per_layer: int  # attention + norms + router weights read per token per layer
-
-
-def _mxfp4(n_weights: int) -> int:
-    return n_weights // 2 + n_weights // 32
-
-
-MODEL_SHAPES = {
-    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 32, 4,
-                              _mxfp4(2880 * 5760 + 2880 * 2880) + 2 * (5760 + 2880),
-                              2 * (2880 * 64 * 64 + 2 * 2880 * 8 * 64 + 64 * 64 * 2880)),
-    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 128, 8, 2 * 3 * 2048 * 768,
-                                2 * (2048 * 32 * 128 * 2 + 2 * 2048 * 4 * 128 + 2048 * 128)),
-    "olmoe-1b-7b": ModelShape("olmoe-1b-7b", 16, 64, 8, 2 * 3 * 2048 * 1024,
-                              2 * (4 * 2048 * 2048 + 2048 * 64)),
-}
 
 
 @dataclass(frozen=True)

@@ -13,41 +13,17 @@ gives about 8 GB.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from common.model_families import GPT_OSS_PROJECTIONS, gpt_oss_expert_shapes
+from common.model_families import (GPT_OSS_PROJECTIONS, SYNTH_SHAPES, SynthShape,
+                                    gpt_oss_expert_shapes)
 from common.store import ExpertStore, StoreError
 from flashmoe.tools.store_writer import StoreMeta, TensorSpec, write_store
 
 DEFAULT_SCALE = 0.21
 POOL_VALUES = 1 << 24  # random bf16 values that experts are cut from
-
-
-@dataclass(frozen=True)
-class SynthShape:
-    name: str
-    model_type: str
-    hidden: int
-    intermediate: int  # per expert, at scale 1
-    layers: int
-    experts: int
-    top_k: int
-
-
-SHAPES = {
-    "gpt-oss-20b": SynthShape("gpt-oss-20b", "gpt_oss", 2880, 2880, 24, 32, 4),
-    # gpt-oss-20b's layers, experts and top-k with tiny experts: tests and quick runs.
-    "gpt-oss-tiny": SynthShape("gpt-oss-tiny", "gpt_oss", 64, 64, 24, 32, 4),
-    # The mmap calibration's model: the 1.7 B Qwen3-MoE llama.cpp was measured on here (16
-    # layers, 64 experts, top-8, hidden 1024, 3.3 GB f16 GGUF of which ~3.0 GB experts), in
-    # the gpt-oss projection layout (a fused gate_up): the bytes per expert and per token and
-    # the products per expert are that model's; routing from a trace of the same topology
-    # (warp:olmoe, OLMoE's 16 x 64, top-8).
-    "qwen3-moe-1.7b": SynthShape("qwen3-moe-1.7b", "gpt_oss", 1024, 480, 16, 64, 8),
-}
 
 
 def scaled_intermediate(shape: SynthShape, scale: float) -> int:
@@ -67,9 +43,10 @@ def synth_store(out: str | Path, shape_name: str = "gpt-oss-20b", scale: float =
                 block_size: int = 256 * 1024, parallelism: int = 4, seed: int = 0,
                 show_progress: bool = True) -> ExpertStore:
     """Write the store (or reuse one made with the same arguments); returns it opened."""
-    if shape_name not in SHAPES:
-        raise StoreError(f"no synthetic shape {shape_name!r} (choices: {', '.join(SHAPES)})")
-    shape = SHAPES[shape_name]
+    if shape_name not in SYNTH_SHAPES:
+        raise StoreError(f"no synthetic shape {shape_name!r} (choices: "
+                         f"{', '.join(SYNTH_SHAPES)})")
+    shape = SYNTH_SHAPES[shape_name]
     out = Path(out)
     intermediate = scaled_intermediate(shape, scale)
     config = {"model_type": shape.model_type, "hidden_size": shape.hidden,

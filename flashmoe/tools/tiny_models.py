@@ -13,12 +13,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-FAMILY_CLASSES = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
-}
+from common.model_families import FAMILIES
+
+# transformers' (config, model) class names of each family
+FAMILY_CLASSES = {name: family.transformers_classes for name, family in FAMILIES.items()}
 BOS, EOS = "<|bos|>", "<|eos|>"  # ids 0 and 1, as in every tiny config
 ROOT = Path(__file__).resolve().parents[2]
 # The tokenizer's training text: this repository's README, then the text of its common/
