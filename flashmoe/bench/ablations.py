@@ -8,6 +8,7 @@ Every variant changes one thing against the defaults (``VARIANTS``); each is war
 
 from __future__ import annotations
 
+import argparse
 import copy
 import multiprocessing as mp
 import shutil
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from common.config import FlashMoEConfig
 from common.traces import Trace
-from flashmoe.cli.options import (add_config_flags, add_json, add_traces_dir, config, csv,
-                                  save, traces_dir)
+from flashmoe.cli.options import (add_config_flags, add_json, add_traces_dir, config, csv, save,
+                                  trace_of)
 from flashmoe.sim.device_model import DeviceModel, ModelShape
 from flashmoe.sim.learning import warmup
 from flashmoe.sim.replay import run_bench
@@ -121,7 +122,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", type=csv(str), default=None,
                    help="which ablations (default: all; see flashmoe/bench/ablations.py)")
     p.add_argument("--capacity", type=csv(float), default=[0.125, 0.25])
@@ -131,12 +132,11 @@ def add_arguments(p) -> None:
     add_config_flags(p)
 
 
-def run(args) -> int:
-    from common.traces import load_trace
+def run(args: argparse.Namespace) -> int:
     from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
 
-    fit = load_trace("gptoss20b:fit", traces_dir(args))
-    dev = load_trace("gptoss20b:dev", traces_dir(args))
+    fit = trace_of(args, "gptoss20b:fit")
+    dev = trace_of(args, "gptoss20b:dev")
     report = ablations(fit, dev, DEVICES["orin-980pro"], MODEL_SHAPES[fit.model], config(args),
                        args.variants, tuple(args.capacity), args.jobs)
     print(format_table(report))

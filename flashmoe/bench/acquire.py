@@ -21,6 +21,7 @@ round's median or p99 (the spread over rounds, min..max, is kept beside it): on 
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import shutil
 import tempfile
@@ -217,7 +218,7 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store")
     p.add_argument("--iterations", type=int, default=20000)
     p.add_argument("--rounds", type=int, default=5,
@@ -226,7 +227,7 @@ def add_arguments(p) -> None:
     add_json(p)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     result = acquire_bench(args.store, iterations=args.iterations, engine=args.engine,
                            rounds=args.rounds)
     print(format_table(result))

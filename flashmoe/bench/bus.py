@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import shutil
 import tempfile
@@ -24,8 +25,7 @@ from common.bus import Publisher, Subscriber, ipc_endpoint, stats
 from common.config import FlashMoEConfig, load_config
 from common.protocol import AccessEvent, LearningMessage
 from common.traces import TokenStream, Trace
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir, csv,
-                                  save, traces_dir)
+from flashmoe.cli.options import add_config_flags, add_json, add_trace, csv, save, trace_of
 
 TARGET_ACCESSES_PER_S = 1_000_000
 TARGET_TOKENS_PER_S = 100
@@ -167,9 +167,8 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace(p)
-    add_traces_dir(p)
     p.add_argument("--store", help="a store of the trace's shape (default: a tiny synthetic one)")
     p.add_argument("--events", type=int, default=20_000, help="events of the raw test")
     p.add_argument("--rates", type=csv(float), default=[100.0, 200.0],
@@ -179,11 +178,10 @@ def add_arguments(p) -> None:
     add_config_flags(p)
 
 
-def run(args) -> int:
-    from common.traces import load_trace
+def run(args: argparse.Namespace) -> int:
     from flashmoe.tools.synth_store import synth_store
 
-    trace = load_trace(args.trace, traces_dir(args))
+    trace = trace_of(args)
     with tempfile.TemporaryDirectory(prefix="flashmoe-busbench-store-") as scratch:
         store = args.store or str(synth_store(Path(scratch) / "store", "gpt-oss-tiny", 1.0,
                                               8192, 3, show_progress=False).path)

@@ -16,6 +16,7 @@ identity (model, layers, experts, top-k); the bench removes its keys when done.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shutil
 import socket
@@ -251,7 +252,7 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".flashmoe/cluster-bench", help="the local warm-up")
     p.add_argument("--tokens", type=int, default=1000, help="first tokens of the eval split")
     p.add_argument("--capacity", type=float, default=0.25, help="fraction of all experts")
@@ -264,7 +265,7 @@ def add_arguments(p) -> None:
     add_config_flags(p)  # --redis URL: that Redis, else a private redis-server
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     settings = config(args, first=["cache.policy=flashmoe"])
     report = cluster_bench(settings, Path(args.workdir), settings.cluster.redis_url or None,
                            args.tokens, args.capacity, args.warmup_tokens, args.device,

@@ -22,6 +22,7 @@ resident when asked for, prefetches that landed in time included).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -39,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from common.store import ExpertStore
-from flashmoe.cli.options import (add_json, add_plot, add_set, add_trace, add_traces_dir,
-                                  add_warmup, csv, save, traces_dir)
+from flashmoe.cli.options import (add_json, add_plot, add_set, add_trace, add_warmup, csv, save,
+                                  trace_of)
 from flashmoe.bench.io import drop_page_cache
 from flashmoe.runtime.launch import Launcher, child_env, stop_process
 
@@ -430,7 +431,7 @@ def plot(report: dict, path: str) -> None:
 
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".flashmoe/e2e", help="store, expert file, warm-up")
     p.add_argument("--scale", type=float, default=0.21,
                    help="gpt-oss-20b expert size multiplier (0.21: an ~8 GB store)")
@@ -444,18 +445,16 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode")
     p.add_argument("--modes", type=csv(str), default=["flashmoe", "lru", "mmap", "ram"])
     add_warmup(p, help="the learned policy's warm-up (default: made from train, once)")
-    add_traces_dir(p)
     add_json(p)
     add_plot(p)
     add_set(p, help="a config override for the flashmoe mode (repeatable)")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     warmup = args.warmup
     if warmup is None and "flashmoe" in args.modes:
         from common.config import load_config
-        from common.traces import load_trace
         from flashmoe.sim.learning import warmup as run_warmup
         from flashmoe.sim.learning import warmup_fits
 
@@ -463,7 +462,7 @@ def run(args) -> int:
         config = load_config(env={}, overrides=list(args.set))  # as the flashmoe mode runs
         if not warmup_fits(warmup, config):
             print("[e2e] warming the learned policy up on the train split (first use only)")
-            run_warmup(load_trace("gptoss20b:train", traces_dir(args)), config, warmup)
+            run_warmup(trace_of(args, "gptoss20b:train"), config, warmup)
     report = e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds, args.modes,
                        warmup, trace=args.trace, shape=args.shape, settings=args.set)
     print(format_table(report))

@@ -244,7 +244,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     extra = {}
     if args.with_manager:
         from flashmoe.bench.prefetch_stream import manager_prefetch_stream

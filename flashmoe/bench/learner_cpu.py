@@ -12,12 +12,13 @@ stays busy on the CPU in between, touching almost no memory).
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir,
-                                  add_warmup, config, csv, save, traces_dir)
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup, config, csv,
+                                  save, trace_of)
 from flashmoe.sim.learning import Learning
 
 
@@ -71,9 +72,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace(p)
-    add_traces_dir(p)
     add_warmup(p)
     p.add_argument("--pause-ms", type=csv(float), default=[0.0, 5.0, 60.0],
                    help="pauses between tokens to measure (0: a tight loop)")
@@ -82,10 +82,8 @@ def add_arguments(p) -> None:
     add_config_flags(p)
 
 
-def run(args) -> int:
-    from common.traces import load_trace
-
-    trace = load_trace(args.trace, traces_dir(args))
+def run(args: argparse.Namespace) -> int:
+    trace = trace_of(args)
     report = measure(trace, config(args), args.warmup, args.pause_ms, args.tokens)
     print(format_table(report))
     save(args, report)

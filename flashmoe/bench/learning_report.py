@@ -18,8 +18,8 @@ import numpy as np
 
 from common.config import FlashMoEConfig
 from common.traces import TokenStream, Trace
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir,
-                                  add_warmup, config, csv, save, traces_dir)
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup, config, csv,
+                                  save, trace_of)
 from flashmoe.sim.hooks import SIM_WORKER
 from flashmoe.sim.learning import Learning
 from services.predictor.core import next_token_recall_per_layer, recall_at
@@ -148,22 +148,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace(p)
     p.add_argument("--warmup-trace", default="gptoss20b:train",
                    help="the split the static hot list comes from")
-    add_traces_dir(p)
     add_warmup(p)
     p.add_argument("--capacity", type=csv(float), default=[0.125, 0.25])
     add_json(p)
     add_config_flags(p)
 
 
-def run(args) -> int:
-    from common.traces import load_trace
+def run(args: argparse.Namespace) -> int:
     from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
     from flashmoe.sim.replay import run_bench
     from services.predictor import fast_infer
 
-    trace = load_trace(args.trace, traces_dir(args))
+    trace = trace_of(args)
     settings = config(args)
-    recall = recall_report(load_trace(args.warmup_trace, traces_dir(args)), trace, settings,
+    recall = recall_report(trace_of(args, args.warmup_trace), trace, settings,
                            args.warmup)
     learning = Learning.create(trace.num_layers, trace.num_experts, trace.top_k, settings)
     if args.warmup:

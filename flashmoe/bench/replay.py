@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from flashmoe.cli.options import (add_config_flags, add_device, add_json, add_plot, add_quiet,
-                                  add_trace, add_traces_dir, add_warmup, config, csv, save,
-                                  traces_dir)
+                                  add_trace, add_warmup, config, csv, save, trace_of)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="core: the cache manager's core on a virtual clock (default); "
                         "requests: the plain per-request replay (libCacheSim's protocol)")
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: cores)")
-    add_traces_dir(p)
     add_json(p)
     add_plot(p)
     add_warmup(p, help="a `flashmoe warmup` checkpoint for the learned policy (default: cold "
@@ -40,12 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flags(p)
 
 
-def run(args) -> int:
-    from common.traces import load_trace
+def run(args: argparse.Namespace) -> int:
     from flashmoe.sim.device_model import DEVICES, shape_for_trace
     from flashmoe.sim.replay import run_bench
 
-    trace = load_trace(args.trace, traces_dir(args))
+    trace = trace_of(args)
     shape = shape_for_trace(trace, args.model, args.expert_bytes)
     report = run_bench(trace, args.scope, args.capacity, args.policies, DEVICES[args.device],
                        shape, mode=args.mode, jobs=args.jobs,

@@ -17,7 +17,7 @@ import numpy as np
 from common.config import FlashMoEConfig
 from common.traces import Trace
 from flashmoe.cli.options import (add_config_flags, add_device, add_json, add_plot, add_trace,
-                                  add_traces_dir, add_warmup, config, save, traces_dir)
+                                  add_warmup, config, save, trace_of)
 from flashmoe.sim.device_model import DeviceModel, ModelShape
 from flashmoe.sim.learning import Learning, LearningPath
 from flashmoe.sim.replay import replay_core
@@ -144,7 +144,6 @@ def plot_task_shift(report: dict, path: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace(p)
-    add_traces_dir(p)
     p.add_argument("--capacity", type=float, default=0.125, help="fraction of all experts")
     add_warmup(p)
     p.add_argument("--window", type=int, default=200, help="tokens per plotted point")
@@ -155,12 +154,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flags(p)
 
 
-def run(args) -> int:
-    from common.traces import load_trace
+def run(args: argparse.Namespace) -> int:
     from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
     from flashmoe.sim.replay import capacity_for
 
-    trace = load_trace(args.trace, traces_dir(args))
+    trace = trace_of(args)
     report = task_shift(trace, capacity_for(args.capacity, trace, "global"),
                         DEVICES[args.device], MODEL_SHAPES[trace.model], config(args),
                         args.warmup, args.window, args.after)

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import sys
 
-from flashmoe.cli.options import (add_config_flags, add_quiet, add_trace, add_traces_dir,
-                                  config, traces_dir)
+from flashmoe.cli.options import add_config_flags, add_quiet, add_trace, config, trace_of
 
 
 def cmd_warmup(args) -> int:
     from tqdm import tqdm
 
-    from common.traces import load_trace
     from flashmoe.sim.learning import warmup
 
     if args.text:
@@ -28,7 +26,7 @@ def cmd_warmup(args) -> int:
         print(json.dumps(summary))
         print(f"wrote {args.out}")
         return 0
-    trace = load_trace(args.trace, traces_dir(args))
+    trace = trace_of(args)
     with tqdm(total=trace.n_tokens * args.passes, unit="tok", desc="warmup",
               disable=True if args.quiet else None) as bar:
         summary = warmup(trace, config(args), args.out, progress=bar.update,
@@ -51,7 +49,6 @@ def register(sub) -> None:
     p = sub.add_parser("warmup", help="pre-train the learned policy (feature tables and the "
                                       "predictor) on a routing trace")
     add_trace(p, default="gptoss20b:train")
-    add_traces_dir(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--passes", type=int, default=2, help="online passes over the trace")
     p.add_argument("--store", help="with --text: the store whose model reads the text")

@@ -2,8 +2,8 @@
 
 A command adds a shared flag with ``add_<flag>(parser)`` (a help text of its own where the flag
 means something narrower there) and reads it back through the functions below: ``config``
-for the effective config, ``traces_dir`` for where the routing traces are, ``save`` for the
-report files.
+for the effective config, ``traces_dir`` for where the routing traces are (``trace_of`` loads
+one from there), ``save`` for the report files.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def add_plot(p: argparse.ArgumentParser) -> None:
 
 def add_trace(p: argparse.ArgumentParser, default: str = "gptoss20b:eval",
               help: str | None = None) -> None:
+    """--trace and the folder it is looked up in, --traces-dir (what ``trace_of`` reads)."""
     p.add_argument("--trace", default=default, help=help)
+    add_traces_dir(p)
 
 
 def add_traces_dir(p: argparse.ArgumentParser) -> None:
@@ -77,6 +79,13 @@ def traces_dir(args) -> str | None:
     from common.traces import DEFAULT_TRACES_DIR
 
     return args.traces_dir if args.traces_dir is not None else str(DEFAULT_TRACES_DIR)
+
+
+def trace_of(args, spec: str | None = None):
+    """The routing trace ``spec`` names (default: --trace), from ``traces_dir(args)``."""
+    from common.traces import load_trace
+
+    return load_trace(args.trace if spec is None else spec, traces_dir(args))
 
 
 def overrides(args) -> list[str]:

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from common.config import describe_fields
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir,
-                                  add_warmup, config, traces_dir)
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup, config,
+                                  traces_dir)
 from flashmoe.reports import write_json
 
 
@@ -56,7 +56,6 @@ def register(sub) -> None:
     p.add_argument("--store", help="a store (default: a synthetic gpt-oss-20b one, made once)")
     add_warmup(p, help="warm-up checkpoint (default: made once)")
     add_trace(p, help="the routing the worker replays")
-    add_traces_dir(p)
     p.add_argument("--tokens", type=int, default=300, help="decode steps to run")
     p.add_argument("--loop", action="store_true", help="go on until Ctrl-C or SIGTERM")
     p.add_argument("--capacity", type=int, default=192,

@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_traces_dir,
-                                  add_warmup, config, csv, traces_dir)
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup, config, csv,
+                                  trace_of)
 from flashmoe.reports import write_json
 
 
@@ -56,10 +56,9 @@ def _given_config(args):
 
 
 def cmd_trace_worker(args) -> int:
-    from common.traces import load_trace
     from services.inference_worker.process import run_trace_worker
 
-    trace = load_trace(args.trace, traces_dir(args))
+    trace = trace_of(args)
     stats = run_trace_worker(_given_config(args), args.cache, trace, args.start, args.tokens,
                              events=args.events, token_ms=args.token_ms, loop=args.loop,
                              compute=args.compute)
@@ -128,6 +127,17 @@ def _add_service_endpoints(p: argparse.ArgumentParser, endpoint_help: str,
     p.add_argument("--control-endpoint", help=control_help)
 
 
+def _add_learning_service(sub, name: str, help: str, inputs: str, inputs_help: str,
+                          publishes: str) -> argparse.ArgumentParser:
+    """A learning-path service's parser: its store, the PUB endpoints it reads (``inputs``),
+    the one it binds for ``publishes`` and its control socket."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("store")
+    p.add_argument(inputs, type=csv(str), required=True, help=inputs_help)
+    _add_service_endpoints(p, f"PUB endpoint to bind for {publishes}")
+    return p
+
+
 def _add_events(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", help="PUB endpoint to bind for the AccessEvents it publishes")
 
@@ -143,20 +153,15 @@ def register(sub) -> None:
     add_config_flags(p)
     p.set_defaults(func=cmd_serve_cache)
 
-    p = sub.add_parser("serve-features", help="run the feature extractor process")
-    p.add_argument("store")
-    p.add_argument("--events", type=csv(str), required=True,
-                   help="the workers' AccessEvent PUB endpoint(s)")
-    _add_service_endpoints(p, "PUB endpoint to bind for FeatureBatches")
+    p = _add_learning_service(sub, "serve-features", "run the feature extractor process",
+                              "--events", "the workers' AccessEvent PUB endpoint(s)",
+                              "FeatureBatches")
     add_warmup(p, help="start from a warm-up checkpoint's tables")
     add_config_flags(p)
     p.set_defaults(func=cmd_serve_features)
 
-    p = sub.add_parser("serve-predictor", help="run the predictor process")
-    p.add_argument("store")
-    p.add_argument("--features", type=csv(str), required=True,
-                   help="the feature extractor's PUB endpoint(s)")
-    _add_service_endpoints(p, "PUB endpoint to bind for Predictions")
+    p = _add_learning_service(sub, "serve-predictor", "run the predictor process", "--features",
+                              "the feature extractor's PUB endpoint(s)", "Predictions")
     p.add_argument("--checkpoint-dir", required=True,
                    help="where the predictor checkpoints itself (and resumes from)")
     add_warmup(p, help="a warm-up checkpoint for a first start")
@@ -180,7 +185,6 @@ def register(sub) -> None:
                                             "manager, as a worker")
     p.add_argument("--cache", required=True, help="the cache manager's endpoint")
     add_trace(p)
-    add_traces_dir(p)
     p.add_argument("--start", type=int, default=0, help="first decode step (row) to replay")
     p.add_argument("--tokens", type=int, help="decode steps to replay (default: all)")
     add_json(p, help="write the cache manager's stats at the end")
