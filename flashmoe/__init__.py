@@ -1,4 +1,15 @@
-"""FlashMoE's app layer: the CLI, the launcher, the benchmarks and the trace simulator."""
+"""FlashMoE's app layer, by role (the services themselves are in ``services/``, what they share
+in ``common/``):
+
+  cli/      the `flashmoe` command: one module per group of commands, shared flags in options
+  runtime/  the system as local processes: `flashmoe run`, the launcher, supervisor, doctor
+  sim/      the trace simulator: the replay, the learning path in-process, the device model
+  bench/    the benchmark programs, one module each, listed in ``bench.BENCHMARKS``
+  tools/    stores and traces: convert, store writer, synthetic stores, tiny models, trace
+            recording, text warm-up
+  deploy/   `flashmoe deploy`: the compose file's services through the Docker SDK
+  errors.py, reports.py: the user errors the CLI reports, the report files
+"""
 
 import os
 

@@ -5,6 +5,9 @@ runs it, prints its table and writes its JSON (and plot), returning the exit sta
 ``format_table`` (and ``plot``) are beside them. ``BENCHMARKS`` is the one list the CLI builds
 its benchmark commands from; a module is imported only when its command runs (several load
 torch), so ``flashmoe --help`` and the services' start stay light.
+
+Beside them: ``prefetch_stream`` (io-bench's live cache manager row) and ``flat_worker`` (the
+worker of e2e-bench's mmap and ram modes, ``python -m flashmoe.bench.flat_worker``).
 """
 
 from __future__ import annotations
