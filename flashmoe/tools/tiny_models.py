@@ -34,17 +34,14 @@ def tiny_config(family: str, layers: int = 2, experts: int = 8, top_k: int = 2,
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=max(hidden // 4, 8),
                   num_experts_per_tok=top_k, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    sizes = {FAMILIES[family].num_experts_key: experts, "intermediate_size": expert_intermediate}
     if family == "gpt_oss":  # its YaRN rope wants the default (long) context length
-        return config_cls(**common, num_local_experts=experts,
-                          intermediate_size=expert_intermediate)
+        return config_cls(**common, **sizes)
     common["max_position_embeddings"] = 512
-    if family == "qwen3_moe":
-        return config_cls(**common, num_experts=experts, moe_intermediate_size=expert_intermediate,
-                          intermediate_size=expert_intermediate, decoder_sparse_step=1,
-                          mlp_only_layers=[])
-    if family == "olmoe":
-        return config_cls(**common, num_experts=experts, intermediate_size=expert_intermediate)
-    return config_cls(**common, num_local_experts=experts, intermediate_size=expert_intermediate)
+    if family == "qwen3_moe":  # every layer sparse, at the experts' own intermediate size
+        sizes.update(moe_intermediate_size=expert_intermediate, decoder_sparse_step=1,
+                     mlp_only_layers=[])
+    return config_cls(**common, **sizes)
 
 
 @lru_cache(maxsize=4)
