@@ -13,13 +13,20 @@ One adapter per family says
     its on-disk layout); ``memory_parameters`` names, per in-memory parameter, the projections
     whose rows it stacks;
   - which on-disk names of non-expert tensors transformers renames when it loads them
-    (``non_expert_renames``).
+    (``non_expert_renames``);
+  - which transformers classes build a model of the family (``transformers_classes``: tiny
+    random-weight models for tests).
+
+And the named model shapes every other part reads: ``MODEL_SHAPES`` (the device model's
+bytes per expert and per layer, `flashmoe bench`) and ``SYNTH_SHAPES`` (`flashmoe
+synth-store`'s random stores in a real model's shape).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -64,6 +71,8 @@ class ModelFamily:
     # (pattern, replacement) applied in order to on-disk non-expert keys to give the in-memory
     # parameter names (transformers' own renames when it loads the checkpoint).
     non_expert_renames: tuple[tuple[str, str], ...] = field(default=())
+    # transformers' config and model classes of the family (names in the transformers module).
+    transformers_classes: tuple[str, str] = ("", "")
 
     def parse_key(self, key: str) -> tuple[int, int, str] | None:
         """(layer, expert, projection) of a per-expert checkpoint key; None for any other key
@@ -179,11 +188,11 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily(
         "qwen3_moe", ("qwen3_moe",), _LLAMA_STYLE, ("gate_proj", "up_proj", "down_proj"),
         "num_experts", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
-        _GATE_ROUTER),
+        _GATE_ROUTER, transformers_classes=("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
     "olmoe": ModelFamily(
         "olmoe", ("olmoe",), _LLAMA_STYLE, ("gate_proj", "up_proj", "down_proj"),
         "num_experts", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
-        _GATE_ROUTER),
+        _GATE_ROUTER, transformers_classes=("OlmoeConfig", "OlmoeForCausalLM")),
     "mixtral": ModelFamily(
         "mixtral", ("mixtral",),
         re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
@@ -191,7 +200,8 @@ FAMILIES: dict[str, ModelFamily] = {
         {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)},
         # transformers < 5 kept the on-disk name in memory too
         re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate"),
-        non_expert_renames=((r"\.block_sparse_moe\.", ".mlp."),)),
+        non_expert_renames=((r"\.block_sparse_moe\.", ".mlp."),),
+        transformers_classes=("MixtralConfig", "MixtralForCausalLM")),
     "gpt_oss": ModelFamily(
         "gpt_oss", ("gpt_oss",),
         re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(" + "|".join(GPT_OSS_PROJECTIONS)
@@ -201,7 +211,8 @@ FAMILIES: dict[str, ModelFamily] = {
         unsupported_key=re.compile(r"model\.layers\.\d+\.mlp\.experts\.\w+_(?:blocks|scales)"),
         unsupported_why="MXFP4-quantized experts cannot be stored yet; dequantize the "
                         "checkpoint first (transformers: Mxfp4Config(dequantize=True), then "
-                        "save_pretrained)"),
+                        "save_pretrained)",
+        transformers_classes=("GptOssConfig", "GptOssForCausalLM")),
 }
 
 
@@ -213,3 +224,73 @@ def family_for_config(config: dict) -> ModelFamily:
     known = ", ".join(t for f in FAMILIES.values() for t in f.model_types)
     raise UnsupportedModelError(
         f"model_type {model_type!r} is not a supported MoE family (supported: {known})")
+
+
+# --- named model shapes -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SynthShape:
+    """A model's expert layout as `flashmoe synth-store` writes it (GPT-OSS projections)."""
+    name: str
+    model_type: str
+    hidden: int
+    intermediate: int  # per expert, at scale 1
+    layers: int
+    experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the device model counts it: bytes read per miss and per layer."""
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int  # one expert's weights in the checkpoint's own precision
+    dense_bytes_per_layer: int  # attention + norms + router weights read per token per layer
+
+
+GPT_OSS_20B = SynthShape("gpt-oss-20b", "gpt_oss", hidden=2880, intermediate=2880, layers=24,
+                         experts=32, top_k=4)
+
+SYNTH_SHAPES = {
+    "gpt-oss-20b": GPT_OSS_20B,
+    # gpt-oss-20b's layers, experts and top-k with tiny experts: tests and quick runs.
+    "gpt-oss-tiny": replace(GPT_OSS_20B, name="gpt-oss-tiny", hidden=64, intermediate=64),
+    # The mmap calibration's model: the 1.7 B Qwen3-MoE llama.cpp was measured on here (16
+    # layers, 64 experts, top-8, hidden 1024, 3.3 GB f16 GGUF of which ~3.0 GB experts), in
+    # the gpt-oss projection layout (a fused gate_up): the bytes per expert and per token and
+    # the products per expert are that model's; routing from a trace of the same topology
+    # (warp:olmoe, OLMoE's 16 x 64, top-8).
+    "qwen3-moe-1.7b": SynthShape("qwen3-moe-1.7b", "gpt_oss", hidden=1024, intermediate=480,
+                                 layers=16, experts=64, top_k=8),
+}
+
+
+def _mxfp4_bytes(n_weights: int) -> int:
+    """MXFP4: 4 bits a weight plus one 8-bit scale per 32 weights (4.25 bits)."""
+    return n_weights // 2 + n_weights // 32
+
+
+def _gpt_oss_expert_bytes(shape: SynthShape) -> int:
+    """gate_up and down in MXFP4, their biases in bf16."""
+    sizes = {name: math.prod(dims) for name, dims in
+             gpt_oss_expert_shapes(shape.hidden, shape.intermediate).items()}
+    return (_mxfp4_bytes(sizes["gate_up_proj"] + sizes["down_proj"])
+            + 2 * (sizes["gate_up_proj_bias"] + sizes["down_proj_bias"]))
+
+
+# The device model's shapes. Expert bytes: one expert's weights in the checkpoint's precision
+# (gpt-oss-20b: gate_up 2880x5760 + down 2880x2880 = 24.88 M weights in MXFP4 plus bf16
+# biases; qwen3-30b-a3b: 3 x 2048 x 768 bf16; olmoe-1b-7b: 3 x 2048 x 1024 bf16). Dense bytes:
+# a layer's attention projections (and router) in bf16.
+MODEL_SHAPES = {
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", GPT_OSS_20B.layers, GPT_OSS_20B.experts,
+                              GPT_OSS_20B.top_k, _gpt_oss_expert_bytes(GPT_OSS_20B),
+                              2 * (2880 * 64 * 64 + 2 * 2880 * 8 * 64 + 64 * 64 * 2880)),
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 128, 8, 2 * 3 * 2048 * 768,
+                                2 * (2048 * 32 * 128 * 2 + 2 * 2048 * 4 * 128 + 2048 * 128)),
+    "olmoe-1b-7b": ModelShape("olmoe-1b-7b", 16, 64, 8, 2 * 3 * 2048 * 1024,
+                              2 * (4 * 2048 * 2048 + 2048 * 64)),
+}

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flashmoe.convert import convert_checkpoint  # noqa: E402
-from flashmoe.tiny_models import build_tiny_model  # noqa: E402
+from flashmoe.tools.convert import convert_checkpoint  # noqa: E402
+from flashmoe.tools.tiny_models import build_tiny_model  # noqa: E402
 from tests.support.manager import ManagerHandle  # noqa: E402
 from tests.support.stores import FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM  # noqa: E402
 from tests.support.traces import missing_shared_traces  # noqa: E402

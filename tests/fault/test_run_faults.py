@@ -13,9 +13,9 @@ import pytest
 
 from common.config import load_config
 from common.traces import load_gptoss20b
-from flashmoe.launch import child_env, cli_command
-from flashmoe.learning import warmup
-from flashmoe.synth_store import synth_store
+from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.sim.learning import warmup
+from flashmoe.tools.synth_store import synth_store
 from tests.support.run_output import RunOutput
 from tests.support.traces import sequences_slice
 

@@ -22,8 +22,8 @@ import pytest
 
 from common.config import describe_fields, load_config
 from common.traces import Trace, load_gptoss20b
-from flashmoe.launch import child_env, cli_command
-from flashmoe.synth_store import synth_store
+from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.tools.synth_store import synth_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.traces]
 TOKEN = "panel-test-token"
@@ -43,7 +43,7 @@ class LiveRun:
     """`flashmoe run --loop` in a child process, its output read on a thread."""
 
     def __init__(self, root: Path) -> None:
-        from flashmoe.learning import warmup
+        from flashmoe.sim.learning import warmup
 
         store = synth_store(root / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
                             parallelism=3, show_progress=False).path

@@ -8,8 +8,8 @@ import pytest
 
 from common.config import load_config
 from common.traces import load_gptoss20b
-from flashmoe import e2e_bench
-from flashmoe.learning import warmup
+from flashmoe.bench import e2e as e2e_bench
+from flashmoe.sim.learning import warmup
 from tests.support.traces import sequences_slice
 
 pytestmark = pytest.mark.traces

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from common.store import ExpertStore
-from flashmoe import io_bench
+from flashmoe.bench import io as io_bench
 from flashmoe.cli import main as cli
-from flashmoe.convert import convert_checkpoint
+from flashmoe.tools.convert import convert_checkpoint
 from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()

@@ -4,7 +4,7 @@ import pytest
 
 from common.config import load_config
 from common.traces import load_gptoss20b
-from flashmoe import learner_cpu
+from flashmoe.bench import learner_cpu
 
 pytestmark = pytest.mark.traces
 

@@ -14,11 +14,11 @@ from common.bus import Publisher, ServiceUnavailable, stats
 from common.config import load_config
 from common.protocol import SCHEMA_VERSION, AccessEvent, encode
 from common.traces import load_gptoss20b, save_trace
-from flashmoe.device_model import DEVICES
-from flashmoe.launch import Launcher, child_env, cli_command
-from flashmoe.learning import LearningPath, Learning
-from flashmoe.simulator import replay_core
-from flashmoe.synth_store import synth_store
+from flashmoe.sim.device_model import DEVICES
+from flashmoe.runtime.launch import Launcher, child_env, cli_command
+from flashmoe.sim.learning import LearningPath, Learning
+from flashmoe.sim.replay import replay_core
+from flashmoe.tools.synth_store import synth_store
 from tests.support.traces import sequences_slice
 
 pytestmark = pytest.mark.traces
@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     evaluation_file = root / "eval.npz"
     save_trace(evaluation, evaluation_file)
     ckpt = root / "warmup"
-    from flashmoe.learning import warmup
+    from flashmoe.sim.learning import warmup
 
     warmup(train, load_config(env={}), ckpt)
     return {"store": store, "trace": evaluation, "trace_file": evaluation_file, "ckpt": ckpt,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from common.traces import Trace, load_trace
-from flashmoe.simulator import build_requests, capacity_for, next_use_positions, replay
+from flashmoe.sim.replay import build_requests, capacity_for, next_use_positions, replay
 from services.cache_manager.policies.belady import NEVER
 
 lcs = pytest.importorskip("libcachesim", reason="libcachesim (test-only peer) not installed")

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from common.traces import Trace, load_gptoss20b
-from flashmoe.device_model import DEVICES
-from flashmoe.launch import child_env, cli_command
-from flashmoe.simulator import replay_core
-from flashmoe.synth_store import synth_store
+from flashmoe.sim.device_model import DEVICES
+from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.sim.replay import replay_core
+from flashmoe.tools.synth_store import synth_store
 
 pytestmark = pytest.mark.traces
 TOKENS = 120

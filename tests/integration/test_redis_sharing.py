@@ -29,8 +29,8 @@ from common.cluster import (
     predictor_values,
 )
 from common.config import load_config
-from flashmoe.cluster_bench import RedisServer
-from flashmoe.learning import Learning, cluster_shape
+from flashmoe.bench.cluster import RedisServer
+from flashmoe.sim.learning import Learning, cluster_shape
 from services.feature_extractor.sharing import apply_to_extractor, extractor_patterns
 from services.predictor.sharing import learner_patterns, write_predictor_checkpoint
 
@@ -242,9 +242,9 @@ def test_flashmoe_run_shares_keeps_serving_without_redis_and_a_peer_warm_starts(
                                                                                tmp_path):
     from common.store import ExpertStore
     from common.traces import load_gptoss20b
-    from flashmoe.launch import child_env, cli_command
-    from flashmoe.learning import warmup
-    from flashmoe.synth_store import synth_store
+    from flashmoe.runtime.launch import child_env, cli_command
+    from flashmoe.sim.learning import warmup
+    from flashmoe.tools.synth_store import synth_store
     from tests.support.run_output import RunOutput
     from tests.support.traces import sequences_slice
 

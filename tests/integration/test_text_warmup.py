@@ -9,8 +9,8 @@ from common.config import load_config
 from common.model_families import family_for_config
 from common.traces import load_trace
 from flashmoe.cli import main
-from flashmoe.learning import Learning
-from flashmoe.text_warmup import text_sequences
+from flashmoe.sim.learning import Learning
+from flashmoe.tools.text_warmup import text_sequences
 from services.inference_worker.generate import load_tokenizer
 
 TEXT = ("The cache keeps the experts a model uses most. Experts live on the SSD.\n\n"

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common.traces import load_trace
 from flashmoe.cli import main as cli
-from flashmoe.tiny_models import build_tiny_model
+from flashmoe.tools.tiny_models import build_tiny_model
 
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 

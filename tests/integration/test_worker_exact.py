@@ -29,8 +29,8 @@ from common.model_families import FAMILIES, GPT_OSS_PROJECTIONS, gpt_oss_expert_
 from common.protocol import AccessEvent, LearningMessage
 from common.safetensors_io import read_header
 from common.store import NON_EXPERT_NAME, ExpertStore
-from flashmoe.convert import convert_checkpoint
-from flashmoe.tiny_models import build_tiny_model
+from flashmoe.tools.convert import convert_checkpoint
+from flashmoe.tools.tiny_models import build_tiny_model
 from services.cache_manager.io_engine import PreadEngine
 from services.inference_worker.generate import arena_fetch, generate
 from services.inference_worker.model_runner import WEIGHT_ALIGN, ArenaExperts, ModelRunner

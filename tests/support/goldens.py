@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.traces import load_trace
-from flashmoe.device_model import DEVICES
-from flashmoe.simulator import build_requests, capacity_for, replay, replay_core
+from flashmoe.sim.device_model import DEVICES
+from flashmoe.sim.replay import build_requests, capacity_for, replay, replay_core
 from services.cache_manager.core import AcquireFailed
 from services.cache_manager.policies import POLICIES, needs_core
 

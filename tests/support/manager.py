@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from common.bus import control_endpoint_for, ipc_endpoint, stats
-from flashmoe.launch import start_cache_manager, stop_process
+from flashmoe.runtime.launch import start_cache_manager, stop_process
 
 
 class ManagerHandle:

@@ -1,7 +1,7 @@
 """`flashmoe doctor`: each check gives a verdict, and a fix where it is not ok."""
 
 from common.config import load_config
-from flashmoe import doctor as doc
+from flashmoe.runtime import doctor as doc
 from flashmoe.cli import main
 
 

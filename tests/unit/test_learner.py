@@ -80,7 +80,7 @@ def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
     import json
 
     from common.config import load_config
-    from flashmoe.learning import warmup_fits
+    from flashmoe.sim.learning import warmup_fits
 
     lstm = load_config(env={}, overrides=["predictor.model=lstm"])
     linear = load_config(env={}, overrides=["predictor.model=linear"])
@@ -194,8 +194,8 @@ def test_the_deferred_pca_covariance_is_the_running_update():
 @pytest.mark.parametrize("core", ["lstm", "linear"])
 def test_the_precision_report_sizes_each_inference_path(core):
     from common.config import FlashMoEConfig
-    from flashmoe.learning import Learning
-    from flashmoe.learning_report import precision_report
+    from flashmoe.sim.learning import Learning
+    from flashmoe.bench.learning_report import precision_report
     from services.predictor import fast_infer
 
     config = FlashMoEConfig()

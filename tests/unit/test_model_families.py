@@ -6,7 +6,7 @@ import torch
 from common.model_families import (FAMILIES, GPT_OSS_PROJECTIONS, ExpertPart,
                                    UnsupportedModelError, family_for_config)
 from common.store import ExpertEntry, TensorEntry
-from flashmoe.tiny_models import FAMILY_CLASSES, tiny_config
+from flashmoe.tools.tiny_models import FAMILY_CLASSES, tiny_config
 
 
 def test_every_family_has_a_tiny_model():

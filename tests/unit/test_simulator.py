@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from common.traces import Trace, TraceError
-from flashmoe.device_model import DEVICES, MODEL_SHAPES
-from flashmoe.simulator import (build_requests, capacity_for, next_use_positions, replay,
+from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
+from flashmoe.sim.replay import (build_requests, capacity_for, next_use_positions, replay,
                                 run_bench)
 from services.cache_manager.policies import make_policy
 
@@ -146,7 +146,7 @@ def test_the_inline_prefetcher_hints_beside_the_look_ahead_only_when_told():
     FlashMoE's look-ahead runs on a usable estimate (it learns on), unless
     ``prefetch.inline_with_learned``; before the first estimate it hints as for any policy."""
     from common.config import FlashMoEConfig
-    from flashmoe.simulator import _hooks_for, replay_core
+    from flashmoe.sim.replay import _hooks_for, replay_core
 
     plain = tiny_trace()
     words = [{"generated_only": [f"w{i % 5}" for i in range(n + 1)]}

@@ -17,7 +17,7 @@ from common.safetensors_io import read_header, write_safetensors
 from common.store import (ALIGN, CONFIG_NAME, FORMAT_VERSION, MANIFEST_NAME, NON_EXPERT_NAME,
                           ExpertStore, FileCheckError, StoreError, block_location, stripe_name)
 from flashmoe.cli import main as cli
-from flashmoe.convert import convert_checkpoint
+from flashmoe.tools.convert import convert_checkpoint
 from services.cache_manager.io_engine import PreadEngine
 from tests.support.stores import (FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM,
                                   expected_expert_tensors)

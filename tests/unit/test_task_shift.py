@@ -7,8 +7,8 @@ import pytest
 
 from common.config import FlashMoEConfig
 from common.traces import Trace
-from flashmoe.device_model import DEVICES, MODEL_SHAPES
-from flashmoe.learning_report import task_shift
+from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
+from flashmoe.bench.task_shift import task_shift
 
 
 def two_task_trace() -> Trace:

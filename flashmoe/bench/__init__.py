@@ -1,0 +1,48 @@
+"""The benchmark programs, one module each, and their registry.
+
+A benchmark module owns its command: ``add_arguments(parser)`` adds its flags, ``run(args)``
+runs it, prints its table and writes its JSON (and plot), returning the exit status; its
+``format_table`` (and ``plot``) are beside them. ``BENCHMARKS`` is the one list the CLI builds
+its benchmark commands from; a module is imported only when its command runs (several load
+torch), so ``flashmoe --help`` and the services' start stay light.
+
+Beside them: ``prefetch_stream`` (io-bench's live cache manager row) and ``flat_worker`` (the
+worker of e2e-bench's mmap and ram modes, ``python -m flashmoe.bench.flat_worker``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    command: str  # the `flashmoe` subcommand
+    module: str  # flashmoe.bench.<module>
+    help: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(f"{__name__}.{self.module}")
+
+
+BENCHMARKS = (
+    Benchmark("bench", "replay", "replay a routing trace through cache policies"),
+    Benchmark("io-bench", "io", "IO engine MB/s and latency against the fio ceiling"),
+    Benchmark("acquire-bench", "acquire", "round-trip time of an all-resident AcquireReq"),
+    Benchmark("bus-bench", "bus", "events per second through the learning path's bus"),
+    Benchmark("task-shift", "task_shift", "hit rate over the eval split's task switches, and "
+                                          "what drift handling buys"),
+    Benchmark("learning-report", "learning_report", "recall of the predictions against "
+              "baselines; the inference precisions (fp32, bf16, int8)"),
+    Benchmark("learner-cpu", "learner_cpu", "the learning path's CPU a token in-process, with "
+                                            "pauses between tokens as a live run has"),
+    Benchmark("ablations", "ablations", "each mechanism of the learned policy on or off: "
+                                        "warm-up on fit, measured on dev"),
+    Benchmark("e2e-bench", "e2e", "tokens/s end to end on real IO: flashmoe, lru, the mmap "
+                                  "page-cache way, all in RAM"),
+    Benchmark("cluster-bench", "cluster", "hit rate of a device's first tokens after a warm "
+                                          "start from a peer through Redis, against a cold "
+                                          "start and a local warm-up"),
+)

@@ -1,0 +1,2 @@
+"""The system as local processes: `flashmoe run`, the launcher and supervisor, `flashmoe
+doctor`."""

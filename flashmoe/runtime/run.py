@@ -1,0 +1,284 @@
+"""`flashmoe run`: the whole system as supervised local processes (the embedded default).
+
+The cache manager, the feature extractor, the predictor and a trace-driven worker run as
+separate processes over ipc sockets in a private runtime folder (``ipc.runtime_dir`` or a
+fresh one); a supervisor restarts whatever dies (with back-off) and Ctrl-C or SIGTERM stops
+everything, leaving no process, socket file or shared-memory arena behind.
+
+What it needs is made on first use, under ``--home`` (default ``.flashmoe/run``): a store of
+random bf16 experts in gpt-oss-20b's shape (``flashmoe synth-store``, at ``DEFAULT_SCALE``: a
+quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkpoint of the
+learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split).
+The worker replays gpt-oss-20b's eval split at a model's pace: the full split where the full
+traces are found (``--traces-dir``, ``traces.dir``, ``../shared/traces``), else the sample
+committed in the project (``gptoss20b-sample``); the run says which. Progress (tokens/s, hit
+rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
+
+The control panel (``services/control_panel``) runs as one more supervised process on
+127.0.0.1:``panel.port`` (0: any free port); its URL and token (``panel.token``, else one made
+here) are printed once it listens. The token reaches the panel alone, through its environment;
+the other services' config does not carry it.
+
+With ``--redis URL`` (``cluster.redis_url``) the feature extractor and the predictor share this
+device's pattern features with its peers and start from theirs (common/cluster.py); the
+cluster's state (connected, or alone and why) is printed when it changes and in the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common.bus import ServiceUnavailable, ipc_endpoint, stats
+from common.cluster import summary_of_stats
+from common.config import ENV_PREFIX, ConfigError, FlashMoEConfig
+from common.traces import (SAMPLE_NAME, SAMPLE_TRAIN_TOKENS, find_traces_dir, first_sequences,
+                           has_full_traces, load_trace)
+from flashmoe.runtime.supervisor import ServiceSpec, SupervisionError, Supervisor
+from flashmoe.tools.synth_store import synth_store
+
+DEFAULT_SCALE = 0.03  # ~1.3 GB of experts: made in well under a minute
+PROGRESS_S = 1.0
+PANEL_ANNOUNCE_S = 30.0  # how long `run` waits for the panel to say where it listens
+
+
+def default_traces(traces_dir: Path) -> tuple[str, str]:
+    """The warm-up and replay traces of a run: the full gpt-oss-20b splits when present,
+    else the committed sample (the same warm-up tokens, a short eval replay)."""
+    if has_full_traces(traces_dir):
+        return "gptoss20b:train", "gptoss20b:eval"
+    return f"{SAMPLE_NAME}:train", f"{SAMPLE_NAME}:eval"
+
+
+def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str | None,
+            traces_dir: Path, say=print) -> tuple[str, str]:
+    """The store and warm-up checkpoint to run with, made when missing."""
+    from flashmoe.sim.learning import warmup as run_warmup
+    from flashmoe.sim.learning import warmup_fits
+
+    home.mkdir(parents=True, exist_ok=True)
+    if store is None:
+        path = home / "store"
+        say(f"[run] a store of gpt-oss-20b's shape at scale {DEFAULT_SCALE} in {path} "
+            f"(first use only)")
+        store = str(synth_store(path, "gpt-oss-20b", DEFAULT_SCALE, config.store.block_size,
+                                config.store.parallelism, show_progress=False).path)
+    if warmup is None:
+        path = home / "warmup"
+        if not warmup_fits(path, config):
+            name = default_traces(traces_dir)[0]
+            train = first_sequences(load_trace(name, traces_dir), SAMPLE_TRAIN_TOKENS)
+            say(f"[run] warming the learned policy up on {train.n_tokens} tokens of {name} "
+                f"(first use only)")
+            run_warmup(train, config, path)
+        warmup = str(path)
+    return store, warmup
+
+
+def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | None,
+             loop: bool, token_ms: float, endpoint,
+             traces_dir: Path | None = None) -> list[ServiceSpec]:
+    """The processes of a run, in start order; ``endpoint(service)`` names their sockets."""
+    events = f"ipc://{runtime}/worker.events.sock"
+    worker = ["trace-worker", "--cache", endpoint("cache_manager"), "--events", events,
+              "--trace", trace, "--token-ms", str(token_ms)]
+    if traces_dir is not None:
+        worker += ["--traces-dir", str(traces_dir)]
+    if loop:
+        worker.append("--loop")
+    elif tokens:
+        worker += ["--tokens", str(tokens)]
+    return [
+        ServiceSpec("predictor", ["serve-predictor", store, "--features",
+                                  endpoint("feature_extractor"), "--checkpoint-dir",
+                                  str(runtime / "predictor-checkpoint"), "--warmup", warmup]),
+        ServiceSpec("feature_extractor", ["serve-features", store, "--events", events,
+                                          "--warmup", warmup]),
+        ServiceSpec("cache_manager", ["serve-cache", store, "--predictions",
+                                      endpoint("predictor")]),
+        ServiceSpec("worker", worker, health_checked=False, exits_when_done=not loop),
+    ]
+
+
+def panel_spec(runtime: Path, port: int, token: str) -> ServiceSpec:
+    """The control panel as a supervised process (no control socket of its own: it is a
+    client of the others')."""
+    return ServiceSpec("panel", ["serve-panel", "--runtime-dir", str(runtime), "--port",
+                                 str(port)],
+                       health_checked=False, env={f"{ENV_PREFIX}PANEL__TOKEN": token})
+
+
+def check_panel_port(port: int) -> None:
+    """Fail before anything starts when ``panel.port`` is taken (0 always works)."""
+    from services.control_panel.process import listen
+
+    if port == 0:
+        return
+    try:
+        listen("127.0.0.1", port).close()
+    except OSError as exc:
+        raise ConfigError(f"panel.port = {port}: 127.0.0.1:{port} is not free "
+                          f"({exc.strerror}); set another panel.port (0 = any free port)") \
+            from None
+
+
+def wait_panel_url(runtime: Path, timeout_s: float = PANEL_ANNOUNCE_S) -> str | None:
+    """The URL the panel announces in ``<runtime>/panel.json`` once it listens."""
+    from services.control_panel.process import INFO_FILE
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return json.loads((runtime / INFO_FILE).read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    return None
+
+
+def learner_cpu_by_stage(extractor: dict, predictor: dict) -> dict[str, float]:
+    """The learner's CPU ms a token by stage, from the extractor's and predictor's stats."""
+    return {"extract": extractor.get("cpu_ms_per_event", 0.0),
+            **{k[len("cpu_ms_"):]: v for k, v in predictor.items() if k.startswith("cpu_ms_")}}
+
+
+@dataclasses.dataclass
+class Progress:
+    """Figures from the services' control sockets, as differences over time."""
+    layers: int
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    last: dict | None = None
+    last_t: float = 0.0
+    first: dict | None = None
+
+    def sample(self, cache: dict, extractor: dict, predictor: dict) -> dict:
+        now = time.monotonic()
+        current = {"acquire": cache["n_acquire"], "hit": cache["n_hit"], "miss": cache["n_miss"],
+                   "bytes": cache["n_byte_read"], "prefetch_used": cache["prefetch_used"],
+                   "prefetch_issued": cache["prefetch_issued"]}
+        self.first = self.first or current
+        previous, dt = self.last or current, max(now - (self.last_t or now), 1e-9)
+        self.last, self.last_t = current, now
+        delta = {k: current[k] - previous[k] for k in current}
+        accesses = delta["hit"] + delta["miss"]
+        return {"tokens": current["acquire"] / self.layers,
+                "tokens_per_s": delta["acquire"] / self.layers / dt,
+                "hit_rate": delta["hit"] / accesses if accesses else float("nan"),
+                "ssd_mb_per_s": delta["bytes"] / dt / 1e6,
+                "learner_cpu_ms_per_token": sum(learner_cpu_by_stage(extractor,
+                                                                     predictor).values()),
+                "estimate": cache.get("estimate", "?")}
+
+    def summary(self, cache: dict, extractor: dict, predictor: dict) -> dict:
+        wall = time.monotonic() - self.started
+        stages = learner_cpu_by_stage(extractor, predictor)
+        first = self.first or {"acquire": 0, "hit": 0, "miss": 0, "bytes": 0}
+        tokens = (cache["n_acquire"] - first["acquire"]) / self.layers
+        hits, misses = cache["n_hit"], cache["n_miss"]
+        return {"tokens": round(tokens, 1), "wall_s": round(wall, 1),
+                "tokens_per_s": round(tokens / wall, 2) if wall else None,
+                "hit_rate": round(hits / max(hits + misses, 1), 4),
+                "stall_free_rate": round(hits / max(hits + misses, 1), 4),
+                "n_hit_loading": cache["n_hit_loading"],
+                "ssd_bytes": cache["n_byte_read"], "prefetch_issued": cache["prefetch_issued"],
+                "prefetch_used": cache["prefetch_used"],
+                "prefetch_wasted": cache["prefetch_wasted"], "engine": cache["engine"],
+                "policy": cache["policy"],
+                "learner_cpu_ms_per_token": round(sum(stages.values()), 3),
+                "learner_cpu_ms_by_stage": stages,
+                "predictor_drifts": predictor.get("drifts"),
+                "variance_kept": extractor.get("variance_kept"),
+                **({"cluster": {"feature_extractor": summary_of_stats(extractor),
+                                "predictor": summary_of_stats(predictor)}}
+                   if "cluster_state" in predictor else {})}
+
+
+def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: str | None = None,
+        trace: str | None = None, tokens: int | None = 200, loop: bool = False,
+        token_ms: float = 0.0, traces_dir: Path | None = None, out=sys.stdout) -> dict:
+    """Run every service until ``tokens`` are replayed (``loop``: until stopped). ``trace``:
+    the routing the worker replays (default: gpt-oss-20b's eval split, full or sample)."""
+    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    from services.control_panel.process import INFO_FILE, new_token
+
+    check_panel_port(config.panel.port)
+    traces_dir = find_traces_dir(traces_dir, config.traces.dir)
+    if trace is None:
+        trace = default_traces(traces_dir)[1]
+        say(f"[run] replaying {trace}: " + (
+            f"the full eval split from {traces_dir}" if trace.startswith("gptoss20b:") else
+            f"the sample committed in the project (the full traces are not in {traces_dir}; "
+            f"give their folder with --traces-dir or traces.dir)"))
+    store, warmup = prepare(home, config, store, warmup, traces_dir, say)
+    runtime = Path(config.ipc.runtime_dir) if config.ipc.runtime_dir else \
+        Path(tempfile.mkdtemp(prefix="flashmoe-run-"))
+    token = config.panel.token or new_token()
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, path=store),
+                                 panel=dataclasses.replace(config.panel, token=""))
+    layers = len(load_trace(trace, traces_dir).experts[0])
+    stop = {"requested": False}
+
+    def request_stop(*_args):
+        stop["requested"] = True
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    supervisor = None
+    try:
+        specs = services(store, warmup, runtime, trace, tokens, loop, token_ms,
+                         lambda service: ipc_endpoint(runtime, service), traces_dir)
+        specs.append(panel_spec(runtime, config.panel.port, token))
+        (runtime / INFO_FILE).unlink(missing_ok=True)
+        supervisor = Supervisor(config, runtime, specs)
+        say(f"[run] runtime folder {runtime}; logs: {runtime}/<service>.log")
+        supervisor.start_all()
+        say(f"[run] services up: {supervisor.pids()}")
+        url = wait_panel_url(runtime)
+        say(f"[run] control panel {url}  token {token}" if url else
+            f"[run] the control panel did not start within {PANEL_ANNOUNCE_S:g} s; see "
+            f"{runtime}/panel.log")
+        progress = Progress(layers)
+        endpoints = {name: supervisor.control_endpoint(name)
+                     for name in ("cache_manager", "feature_extractor", "predictor")}
+        latest = None
+        cluster_state = None
+        while not stop["requested"] and not supervisor.done:
+            for message in supervisor.poll():
+                say(f"[run] {message}")
+            try:
+                snapshot = {name: stats(endpoint, timeout_s=2.0)
+                            for name, endpoint in endpoints.items()}
+            except ServiceUnavailable:
+                time.sleep(PROGRESS_S)
+                continue
+            latest = snapshot
+            link = summary_of_stats(snapshot["predictor"])
+            if link and (link["state"], link["reason"]) != cluster_state:
+                cluster_state = (link["state"], link["reason"])
+                say(f"[run] cluster {link['state']} (device {link['device']}, {link['peers']} "
+                    f"peers){': ' + link['reason'] if link['reason'] else ''}")
+            p = progress.sample(snapshot["cache_manager"], snapshot["feature_extractor"],
+                                snapshot["predictor"])
+            say(f"[run] {p['tokens']:8.0f} tokens  {p['tokens_per_s']:6.2f} tok/s  hit "
+                f"{p['hit_rate']:.3f}  SSD {p['ssd_mb_per_s']:7.1f} MB/s  learner "
+                f"{p['learner_cpu_ms_per_token']:.2f} ms/tok  estimate {p['estimate']}")
+            time.sleep(PROGRESS_S)
+        summary = progress.summary(latest["cache_manager"], latest["feature_extractor"],
+                                   latest["predictor"]) if latest else {}
+        summary["restarts"] = supervisor.restarts()
+        return summary
+    except SupervisionError as exc:
+        say(f"[run] stopping: {exc}")
+        raise
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def format_summary(summary: dict) -> str:
+    return "\n".join(f"{key:<26} {value}" for key, value in summary.items())

@@ -1,0 +1,169 @@
+"""Supervision of FlashMoE's local processes (`flashmoe run`).
+
+Each service is started through the ``Launcher`` (its log in ``<runtime_dir>/<service>.log``,
+healthy once its control socket answers). A service that exits is restarted after a back-off
+(``BACKOFF_S``, doubling up to ``BACKOFF_MAX_S``); one that dies ``GIVE_UP_AFTER`` times in a
+row before it had run ``STABLE_S`` seconds is given up on, and the run ends with the tail of
+its log (a broken store, say, cannot be fixed by restarting). ``stop`` ends everything in
+reverse order (SIGTERM, then SIGKILL after a grace period) and leaves no process, socket file
+or shared-memory arena behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.arena import sweep_stale_arenas
+from common.config import FlashMoEConfig
+from flashmoe.runtime.launch import Child, Launcher, ServiceStartError, log_tail
+
+log = logging.getLogger("flashmoe.supervisor")
+
+BACKOFF_S = 0.5
+BACKOFF_MAX_S = 15.0
+STABLE_S = 20.0
+GIVE_UP_AFTER = 5
+
+
+class SupervisionError(RuntimeError):
+    """A service cannot be kept running."""
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    command: list[str]  # CLI words; the launcher adds endpoints and the config file
+    health_checked: bool = True  # False: a process without a control socket (the worker)
+    restart: bool = True
+    exits_when_done: bool = False  # its clean exit ends the run (the worker with --tokens)
+    env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+
+
+@dataclass
+class Tracked:
+    spec: ServiceSpec
+    child: Child | None = None
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    quick_deaths: int = 0
+    next_start: float = 0.0
+    exit_codes: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, config: FlashMoEConfig, runtime_dir: Path,
+                 specs: list[ServiceSpec]) -> None:
+        self.launcher = Launcher(config, runtime_dir)
+        self.tracked = {spec.name: Tracked(spec) for spec in specs}
+        self.done = False
+
+    def endpoint(self, service: str) -> str:
+        return self.launcher.endpoint(service)
+
+    def control_endpoint(self, service: str) -> str:
+        from common.bus import control_endpoint_for
+
+        return control_endpoint_for(self.endpoint(service))
+
+    # --- starting ---------------------------------------------------------------------------
+
+    def _start(self, t: Tracked) -> None:
+        spec = t.spec
+        t.started = time.monotonic()
+        if spec.health_checked:
+            t.child = self.launcher.start(spec.name, spec.command, env=spec.env)
+            t.proc = t.child.proc
+        else:
+            t.proc = self.launcher.start_plain(spec.name, spec.command, env=spec.env)
+
+    def start_all(self) -> None:
+        for t in self.tracked.values():
+            try:
+                self._start(t)
+            except ServiceStartError:
+                self.stop()
+                raise
+
+    # --- watching ---------------------------------------------------------------------------
+
+    def poll(self) -> list[str]:
+        """Check every process once: restart what exited (after its back-off); returns
+        messages for the user. Sets ``done`` when a service that ends the run finished."""
+        messages = []
+        now = time.monotonic()
+        for t in self.tracked.values():
+            if t.proc is None:
+                if now >= t.next_start:
+                    messages.append(self._restart(t))
+                continue
+            code = t.proc.poll()
+            if code is None:
+                if now - t.started > STABLE_S:
+                    t.quick_deaths = 0
+                continue
+            t.exit_codes.append(code)
+            t.proc = None
+            if t.spec.exits_when_done and code == 0:
+                self.done = True
+                messages.append(f"{t.spec.name} finished")
+                continue
+            if not t.spec.restart:
+                raise SupervisionError(f"{t.spec.name} exited with status {code}:\n"
+                                       f"{log_tail(self._log_path(t))}")
+            t.quick_deaths += 1 if now - t.started < STABLE_S else 0
+            if t.quick_deaths >= GIVE_UP_AFTER:
+                raise SupervisionError(
+                    f"{t.spec.name} died {t.quick_deaths} times in a row within {STABLE_S:g} s "
+                    f"of starting (last status {code}); giving up. The end of its log "
+                    f"({self._log_path(t)}):\n{log_tail(self._log_path(t))}")
+            delay = min(BACKOFF_S * 2 ** max(t.quick_deaths - 1, 0), BACKOFF_MAX_S)
+            t.next_start = now + delay
+            swept = sweep_stale_arenas()
+            messages.append(f"{t.spec.name} exited with status {code}; restarting in "
+                            f"{delay:.1f} s" + (f" (removed stale arenas {swept})" if swept
+                                                else ""))
+        return messages
+
+    def _restart(self, t: Tracked) -> str:
+        self.launcher.children.pop(t.spec.name, None)
+        try:
+            self._start(t)
+        except ServiceStartError as exc:
+            t.quick_deaths += 1
+            t.proc = None
+            if t.quick_deaths >= GIVE_UP_AFTER:
+                raise SupervisionError(f"{t.spec.name} does not start: {exc}") from None
+            t.next_start = time.monotonic() + min(BACKOFF_S * 2 ** t.quick_deaths,
+                                                  BACKOFF_MAX_S)
+            return f"{t.spec.name} failed to start again: {str(exc).splitlines()[0]}"
+        t.restarts += 1
+        return f"{t.spec.name} restarted (restart {t.restarts})"
+
+    def _log_path(self, t: Tracked) -> Path:
+        return self.launcher.runtime_dir / f"{t.spec.name}.log"
+
+    def pids(self) -> dict[str, int]:
+        return {name: t.proc.pid for name, t in self.tracked.items() if t.proc is not None}
+
+    def restarts(self) -> dict[str, int]:
+        return {name: t.restarts for name, t in self.tracked.items()}
+
+    # --- stopping ---------------------------------------------------------------------------
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Everything down, in reverse start order; no process, socket or arena left."""
+        from flashmoe.runtime.launch import stop_process
+
+        for t in reversed(list(self.tracked.values())):
+            if t.proc is not None:
+                stop_process(t.proc, timeout_s)
+                t.proc = None
+        self.launcher.children.clear()
+        for path in self.launcher.runtime_dir.glob("*.sock"):
+            path.unlink(missing_ok=True)
+        sweep_stale_arenas()

@@ -1,0 +1,44 @@
+"""`python -m flashmoe run` from a copy of the project with no ``../shared`` beside it: the main
+job runs on the sample committed in the project, says so, and cleans up after itself."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def copy_of_the_project(dest: Path) -> Path:
+    """The project's tracked files as a fresh clone has them (a clone of the working tree,
+    uncommitted edits included), in a folder with no ``../shared`` beside it."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        source = ROOT / name
+        if source.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_main_job_runs_from_a_copy_with_no_shared_traces(tmp_path):
+    project = copy_of_the_project(tmp_path / "elsewhere" / "project")
+    assert not (project.parent.parent / "shared").exists()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHMOE_")}
+    env.update(PYTHONPATH=str(project), FLASHMOE_PANEL__PORT="0")
+    done = subprocess.run([sys.executable, "-m", "flashmoe", "run", "--tokens", "20"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=840)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "replaying gptoss20b-sample:eval" in out and "the sample committed" in out, out
+    assert "tokens of gptoss20b-sample:train" in out  # the warm-up came from the sample too
+    summary = dict(line.split(None, 1) for line in done.stdout.splitlines()
+                   if line and not line.startswith("[") and len(line.split(None, 1)) == 2)
+    assert float(summary["tokens"]) >= 19 and 0.0 < float(summary["hit_rate"]) <= 1.0, summary
+    assert (project / ".flashmoe" / "run" / "warmup").exists()
