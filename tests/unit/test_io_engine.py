@@ -142,7 +142,7 @@ def test_read_leaves_other_batches_to_reap(store_and_arena, open_kind, kind):
 def test_read_keeps_batches_reaped_in_the_same_call_as_its_own():
     """read() may reap its own batch ahead of others in one call; those stay for reap()."""
 
-    class Scripted(io_engine._EngineBase):
+    class Scripted(io_engine.EngineBase):
         name = "scripted"
 
         def __init__(self):
@@ -206,7 +206,7 @@ def test_uring_helper_loads_and_rings_are_allowed_here():
 
 def test_auto_falls_back_to_pread_with_reason(store_and_arena, monkeypatch, tmp_path):
     store, arena = store_and_arena
-    monkeypatch.setattr(io_engine, "HELPER_LIBRARY", tmp_path / "missing.so")
+    monkeypatch.setattr(io_engine.uring, "HELPER_LIBRARY", tmp_path / "missing.so")
     engine, reason = open_engine("auto", arena.mmap, arena.slot_bytes, N_SLOTS,
                                  store.stripe_paths, 4)
     try:
