@@ -129,4 +129,5 @@ def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], pub
                                   control_endpoint: str, warmup: str | None = None) -> int:
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: FeatureExtractorService(config, events, publish,
-                                                               control_endpoint, warmup))
+                                                               control_endpoint, warmup),
+                               FeatureExtractorService.name)

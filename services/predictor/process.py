@@ -220,4 +220,5 @@ def run_predictor_process(config: FlashMoEConfig, features: list[str], publish: 
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: PredictorService(config, features, publish,
                                                         control_endpoint, checkpoint_dir,
-                                                        warmup))
+                                                        warmup),
+                               PredictorService.name)
