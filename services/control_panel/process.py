@@ -5,8 +5,9 @@ The process listens on ``host:port`` (127.0.0.1 unless told otherwise; port 0 = 
 one), writes ``<runtime_dir>/panel.json`` (its URL and pid) once listening, and removes it at
 exit. uvicorn serves on a thread of its own; SIGTERM/SIGINT flip the service's state and the
 loop ends the server; the parent's death sends SIGTERM. A port that is taken ends the process
-with status ``EXIT_CANNOT_LISTEN``. The panel is a client of the others' control sockets and
-has none of its own.
+with status ``EXIT_CANNOT_LISTEN``. The panel is a client of the others' control sockets; it
+has one of its own only when given a control endpoint (one in the runtime folder would be
+polled as a service).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class PanelService(Service):
     name = "control_panel"
 
     def __init__(self, config: FlashMoEConfig, runtime_dir: Path | None, host: str, port: int,
-                 services: dict[str, str] | None = None) -> None:
+                 services: dict[str, str] | None = None,
+                 control_endpoint: str | None = None) -> None:
         import uvicorn
 
-        super().__init__(config, control_endpoint=None)
+        super().__init__(config, control_endpoint)
         self.panel = Panel(config, runtime_dir, services)
         try:
             self.listening = listen(host, port)
@@ -86,6 +88,9 @@ class PanelService(Service):
         self.http.start()
         super().serve()
 
+    def stats(self) -> dict:
+        return {**super().stats(), **self.panel.stats_view()["panel"]}
+
     def on_tick(self, now: float) -> None:
         if not self.http.is_alive():
             raise WebServerStopped("uvicorn's thread ended")
@@ -101,7 +106,10 @@ class PanelService(Service):
 
 
 def run_panel_process(config: FlashMoEConfig, runtime_dir: Path | None, host: str,
-                      port: int, services: dict[str, str] | None = None) -> int:
-    """Process entry: listen, announce the URL and token, serve until SIGTERM/SIGINT."""
-    return run_service_process(lambda: PanelService(config, runtime_dir, host, port, services),
+                      port: int, services: dict[str, str] | None = None,
+                      control_endpoint: str | None = None) -> int:
+    """Process entry: listen, announce the URL and token, serve until SIGTERM/SIGINT
+    (``control_endpoint``: answer health and stats there)."""
+    return run_service_process(lambda: PanelService(config, runtime_dir, host, port, services,
+                                                    control_endpoint),
                                PanelService.name)

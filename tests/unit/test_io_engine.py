@@ -12,8 +12,8 @@ import pytest
 from common.arena import Arena
 from common.store import ExpertStore
 from services.cache_manager import io_engine
-from services.cache_manager.io_engine import (IOEngine, IOEngineError, PreadEngine, UringEngine,
-                                              open_engine, parse_fault_spec)
+from services.cache_manager.io_engine import (IOEngine, IOEngineError, IOFaults, PreadEngine,
+                                              UringEngine, open_engine, parse_fault_spec)
 from tests.conftest import uring_available
 
 URING_OK, URING_WHY = uring_available()
@@ -181,6 +181,14 @@ def test_fault_spec_parses_and_rejects_unknown_kinds():
     for bad in ("explode:1", "delay", "delay:-1", "delay:x"):
         with pytest.raises(IOEngineError, match="FMIO_FAULT"):
             parse_fault_spec(bad)
+
+
+def test_faults_are_a_declared_setting_read_from_the_env():
+    faults = IOFaults.from_env({"FMIO_FAULT": "short_read:3,delay:5,delay:7"})
+    assert faults == IOFaults(delay=7, short_read=3)
+    assert faults.items() == [("delay", 7), ("short_read", 3)]
+    assert faults.spec() == "delay:7,short_read:3" and IOFaults.parse(faults.spec()) == faults
+    assert IOFaults.from_env({}).items() == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
