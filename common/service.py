@@ -12,8 +12,8 @@ happen under ``self.lock`` (which the control thread takes for stats and tuning)
 The hooks around the loop: ``control_handlers()`` (requests the control socket answers beyond
 health, stats, config and tuning), ``banner()`` (the start line), ``on_exit(error)`` (the
 last word to peers, e.g. a ``Dead`` sentinel), ``close_sockets()`` (before the ZeroMQ context
-ends) and ``release()`` (files, threads and memory, after it). A service that cannot go on
-raises ``ServiceFailed``: the process exits with its ``exit_code`` so that a supervisor
+ends) and ``close_resources()`` (files, threads and memory, after it). A service that cannot
+go on raises ``ServiceFailed``: the process exits with its ``exit_code`` so that a supervisor
 restarts it. A service given no control endpoint has no control socket (a client of the
 others', such as the panel and the worker).
 """
@@ -120,7 +120,7 @@ class Service:
         for sock in self.sockets():
             sock.close()
 
-    def release(self) -> None:
+    def close_resources(self) -> None:
         """What outlives the sockets (engines, threads, shared memory), after the context."""
 
     # --- the loop ----------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class Service:
                 self.control.close()
             self.close_sockets()
             self.ctx.term()
-            self.release()
+            self.close_resources()
 
 
 def run_service_process(make: Callable[[], Service], name: str = "service") -> int:

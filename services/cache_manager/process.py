@@ -277,7 +277,7 @@ class CacheManager(Service):
         self.peers.close()
         self.recv_from_workers.close()
 
-    def release(self) -> None:
+    def close_resources(self) -> None:
         self.loads.close()  # drains reads still in flight before the arena goes
         self.arena.close()
 

@@ -95,7 +95,7 @@ class PanelService(Service):
         if not self.http.is_alive():
             raise WebServerStopped("uvicorn's thread ended")
 
-    def release(self) -> None:
+    def close_resources(self) -> None:
         self.server.should_exit = True
         if self.http.is_alive():
             self.http.join(CONTROL_TIMEOUT_S * 4)

@@ -31,8 +31,8 @@ class Demo(Service):
     def on_exit(self, error):
         self.events.append(("exit", error))
 
-    def release(self):
-        self.events.append(("release", self.ctx.closed))
+    def close_resources(self):
+        self.events.append(("close_resources", self.ctx.closed))
 
 
 def run_in_thread(service):
@@ -63,7 +63,7 @@ def test_control_socket_answers_while_the_loop_runs_and_a_stop_ends_it(tmp_path)
     thread.join(10)
     assert not thread.is_alive() and errors == []
     assert service.state is State.STOP_REQUESTED
-    assert service.events == [("exit", None), ("release", True)]  # released after the context
+    assert service.events == [("exit", None), ("close_resources", True)]  # after the context
     with pytest.raises(ServiceUnavailable):
         health(endpoint, timeout_s=0.5)
 
@@ -75,4 +75,4 @@ def test_a_failure_reaches_on_exit_and_ends_the_run(tmp_path):
     assert service.control is None
     [error] = errors
     assert isinstance(error, ServiceFailed) and error.exit_code == 1
-    assert service.events == [("exit", error), ("release", True)]
+    assert service.events == [("exit", error), ("close_resources", True)]
