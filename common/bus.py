@@ -31,9 +31,9 @@ from zmq.utils.monitor import parse_monitor_message
 from common.config import (ConfigError, FlashMoEConfig, check_value, differing_sections,
                            field_spec)
 from common.protocol import (ConfigRep, ConfigReq, ControlReply, ControlRequest, Dead, Decoder,
-                             HealthRep, HealthReq, Message, ProtocolError, Rejected,
-                             ResidencyRep, ResidencyReq, StatsRep, StatsReq, TuneRep, TuneReq,
-                             encode)
+                             HealthRep, HealthReq, Message, PoliciesRep, PoliciesReq,
+                             ProtocolError, Rejected, ResidencyRep, ResidencyReq, StatsRep,
+                             StatsReq, TuneRep, TuneReq, encode)
 
 log = logging.getLogger("flashmoe.bus")
 
@@ -455,5 +455,14 @@ def residency(endpoint: str, timeout_s: float = 5.0) -> ResidencyRep:
     answers ``ResidencyReq``); ServiceUnavailable when it does not."""
     reply = control_request(endpoint, ResidencyReq(0), timeout_s)
     if not isinstance(reply, ResidencyRep):
+        raise ServiceUnavailable(f"{endpoint}: {getattr(reply, 'message', repr(reply))}")
+    return reply
+
+
+def policies(endpoint: str, timeout_s: float = 5.0) -> PoliciesRep:
+    """The eviction policies a cache manager can run live (one that answers ``PoliciesReq``);
+    ServiceUnavailable when it does not."""
+    reply = control_request(endpoint, PoliciesReq(0), timeout_s)
+    if not isinstance(reply, PoliciesRep):
         raise ServiceUnavailable(f"{endpoint}: {getattr(reply, 'message', repr(reply))}")
     return reply

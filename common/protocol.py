@@ -223,11 +223,22 @@ class ResidencyRep(Message):
     popularity: bytes  # float32 (layers, experts_per_layer): requests for each expert so far
 
 
+class PoliciesReq(Message):
+    seq: NonNeg
+
+
+class PoliciesRep(Message):
+    seq: NonNeg
+    choices: list[ShortText]  # the eviction policies this cache manager can run live
+    policy: ShortText  # the one it runs now
+
+
 WorkerToCache = Union[Hello, AcquireReq, PrefetchHint, Release, StatsReq]
 CacheToWorker = Union[Ready, AcquireRep, AcquireError, Released, StatsRep, Rejected, Dead]
 LearningMessage = Union[AccessEvent, FeatureBatch, Prediction]
-ControlRequest = Union[HealthReq, StatsReq, ConfigReq, TuneReq, ResidencyReq]
-ControlReply = Union[HealthRep, StatsRep, ConfigRep, TuneRep, ResidencyRep, Rejected, Dead]
+ControlRequest = Union[HealthReq, StatsReq, ConfigReq, TuneReq, ResidencyReq, PoliciesReq]
+ControlReply = Union[HealthRep, StatsRep, ConfigRep, TuneRep, ResidencyRep, PoliciesRep,
+                     Rejected, Dead]
 
 
 class ProtocolError(ValueError):

@@ -1,10 +1,21 @@
 """The skeleton every FlashMoE service process shares: state, signals, logging, parent death,
-a control socket on its own thread, and one loop that polls its sockets and ticks.
+a control socket on its own thread (health, stats, config, live tuning), one loop, and the
+exit status.
 
 A service subclasses ``Service``: it builds its sockets in ``__init__`` (after calling the
 base), lists them in ``sockets()``, handles a readable one in ``on_readable(sock)`` and does
-periodic work in ``on_tick(now)``. Signals only flip the state; the loop does the work;
-state changes happen under ``self.lock`` (which the control thread takes for stats).
+periodic work in ``on_tick(now)``. A service whose loop is not a plain poll (the cache
+manager's waits on the disk too; a client replays its work) overrides ``serve()`` and checks
+``self.state`` as it goes. Signals only flip the state; the loop does the work; state changes
+happen under ``self.lock`` (which the control thread takes for stats and tuning).
+
+The hooks around the loop: ``control_handlers()`` (requests the control socket answers beyond
+health, stats, config and tuning), ``banner()`` (the start line), ``on_exit(error)`` (the
+last word to peers, e.g. a ``Dead`` sentinel), ``close_sockets()`` (before the ZeroMQ context
+ends) and ``close_resources()`` (files, threads and memory, after it). A service that cannot
+go on raises ``ServiceFailed``: the process exits with its ``exit_code`` so that a supervisor
+restarts it. A service given no control endpoint has no control socket (a client of the
+others', such as the panel and the worker).
 """
 
 from __future__ import annotations
@@ -18,12 +29,13 @@ import threading
 import time
 import traceback
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import zmq
 
 from common.bus import ControlServer
 from common.config import FlashMoEConfig
+from common.protocol import Message
 
 TICK_S = 0.1
 
@@ -32,6 +44,14 @@ class State(enum.Enum):
     RUNNING = "running"
     STOP_REQUESTED = "stopping"
     FAILED = "failed"
+
+
+class ServiceFailed(RuntimeError):
+    """The service cannot go on (or cannot start): the process exits with ``exit_code``.
+    ``what`` names the failure in the exit line."""
+
+    exit_code = 1
+    what = "a failure"
 
 
 def arm_parent_death_signal() -> None:
@@ -51,7 +71,7 @@ def setup_process_logging() -> None:
 class Service:
     name = "service"
 
-    def __init__(self, config: FlashMoEConfig, control_endpoint: str) -> None:
+    def __init__(self, config: FlashMoEConfig, control_endpoint: str | None) -> None:
         self.config = config
         self.log = logging.getLogger(f"flashmoe.{self.name}")
         self.ctx = zmq.Context()
@@ -85,9 +105,23 @@ class Service:
         applied values into ``self.config``. The base service reads no live field."""
         return [], {}
 
+    def control_handlers(self) -> Mapping[type, Callable[[Message], Message]]:
+        """Control requests this service answers beyond health, stats, config and tuning."""
+        return {}
+
+    def banner(self) -> str:
+        """The line logged once the service runs (the pid follows)."""
+        return f"{self.name} running"
+
+    def on_exit(self, error: Exception | None) -> None:
+        """The loop ended: cleanly (``error`` None) or with ``error`` (then raised on)."""
+
     def close_sockets(self) -> None:
         for sock in self.sockets():
             sock.close()
+
+    def close_resources(self) -> None:
+        """What outlives the sockets (engines, threads, shared memory), after the context."""
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -95,43 +129,63 @@ class Service:
         if self.state is State.RUNNING:
             self.state = State.STOP_REQUESTED
 
-    def run(self) -> None:
-        self.control = ControlServer(self.ctx, self.config, self.control_endpoint, self.name,
-                                     stats=self.stats, state=lambda: self.state.value,
-                                     lock=self.lock, tune=self.tune)
+    def serve(self) -> None:
+        """Poll ``sockets()`` and tick until stopped."""
         poller = zmq.Poller()
         for sock in self.sockets():
             poller.register(sock, zmq.POLLIN)
         next_tick = time.monotonic()
+        while self.state is State.RUNNING:
+            events = dict(poller.poll(int(TICK_S * 1000)))
+            with self.lock:
+                for sock in events:
+                    self.on_readable(sock)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    self.on_tick(now)
+
+    def run(self) -> None:
+        if self.control_endpoint is not None:
+            self.control = ControlServer(self.ctx, self.config, self.control_endpoint, self.name,
+                                         stats=self.stats, state=lambda: self.state.value,
+                                         lock=self.lock, tune=self.tune,
+                                         extra=self.control_handlers())
         try:
-            while self.state is State.RUNNING:
-                events = dict(poller.poll(int(TICK_S * 1000)))
-                with self.lock:
-                    for sock in events:
-                        self.on_readable(sock)
-                    now = time.monotonic()
-                    if now >= next_tick:
-                        next_tick = now + TICK_S
-                        self.on_tick(now)
+            self.serve()
+            self.on_exit(None)
+        except Exception as exc:
+            self.on_exit(exc)
+            raise
         finally:
-            self.control.close()
+            if self.control is not None:
+                self.control.close()
             self.close_sockets()
             self.ctx.term()
+            self.close_resources()
 
 
-def run_service_process(make: Callable[[], Service]) -> int:
-    """Process entry of a service: parent-death signal, logging, signals, the loop."""
+def run_service_process(make: Callable[[], Service], name: str = "service") -> int:
+    """Process entry of a service: parent-death signal, logging, signals, the loop; returns
+    the exit status (``ServiceFailed.exit_code`` when it failed, else 0)."""
     arm_parent_death_signal()
     setup_process_logging()
-    log = logging.getLogger("flashmoe")
+    log = logging.getLogger(f"flashmoe.{name}")
     try:
         service = make()
+    except ServiceFailed as exc:
+        log.error("%s", exc)
+        return exc.exit_code
     except Exception:
-        log.error("failed to start:\n%s", traceback.format_exc())
+        log.error("%s failed to start:\n%s", name, traceback.format_exc())
         raise
     signal.signal(signal.SIGTERM, service.request_stop)
     signal.signal(signal.SIGINT, service.request_stop)
-    service.log.info("%s running, pid %d", service.name, os.getpid())
-    service.run()
+    service.log.info("%s, pid %d", service.banner(), os.getpid())
+    try:
+        service.run()
+    except ServiceFailed as exc:
+        service.log.error("exiting after %s: %s", exc.what, exc)
+        return exc.exit_code
     service.log.info("%s stopped after %.1f s", service.name, time.monotonic() - service.started)
     return 0

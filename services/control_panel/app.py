@@ -32,7 +32,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, Field
 
 from .core import SERIES, changes_schema
-from .process import Panel
+from .panel import Panel
 
 STATIC = Path(__file__).resolve().parent / "static"
 SWAGGER = STATIC / "vendor" / "swagger-ui"
@@ -171,5 +171,15 @@ def make_app(panel: Panel) -> FastAPI:
                             "The schema itself is at <a href='/openapi.json'>/openapi.json</a>."
                             "</p>")
 
+    def openapi() -> dict[str, Any]:
+        """The schema, with the choices the running services give (the cache manager's
+        policies) in the change's schema; made again each time, as they come and go."""
+        app.openapi_schema = None
+        schema = FastAPI.openapi(app)
+        changes = schema["components"]["schemas"]["ConfigUpdate"]["properties"]["changes"]
+        changes.update(changes_schema(panel.service_choices()[0]))
+        return schema
+
+    app.openapi = openapi
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

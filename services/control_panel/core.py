@@ -3,8 +3,9 @@
 - What a page may see of the config: every field of ``common/config.py`` with its value, doc,
   default, range and live flag (``public_fields``), and the JSON Schema of a change
   (``changes_schema``), both generated from the one definition, never a copy of it.
-- Whether a change may go to the services: ``validate_changes`` (422: unknown field, or a value
-  out of its range, named with the range), ``fixed_refusals`` (409: fields that cannot change
+- Whether a change may go to the services: ``validate_changes`` (422: unknown field, a value
+  out of its range, named with the range, or not among the choices a running service gives,
+  such as the cache manager's policies), ``fixed_refusals`` (409: fields that cannot change
   while running, with the reason) and ``merge_tune_replies`` (409 when no running service
   takes a field live, or one refuses it now).
 - What the charts plot: ``Rates`` turns successive stats snapshots of the services into rates
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from common.config import ConfigError, check_value, describe_fields
 
@@ -32,18 +33,12 @@ PROFILE_REFUSAL = ("the device profile sets defaults when the services start: re
 SERIES = ("hit_rate", "stall_free_rate", "ssd_mb_per_s", "tokens_per_s",
           "learner_cpu_ms_per_token", "recall", "drifts")
 
-
-def registry_choices() -> dict[str, list[str]]:
-    """Choices that come from a registry rather than the field's metadata: the eviction
-    policies a live cache manager can run (not the oracle that needs the future)."""
-    from services.cache_manager.policies import POLICIES, needs_future
-
-    return {"cache.policy": sorted(name for name in POLICIES if not needs_future(name))}
+Choices = Mapping[str, Sequence[str]]  # field -> the choices a running service gives for it
+NO_CHOICES: Choices = {}
 
 
-def _rows() -> list[dict[str, Any]]:
-    extra = registry_choices()
-    return [{**row, "choices": extra.get(row["key"], row["choices"])}
+def _rows(choices: Choices = NO_CHOICES) -> list[dict[str, Any]]:
+    return [{**row, "choices": choices.get(row["key"], row["choices"])}
             for row in describe_fields() if not row["secret"]]
 
 
@@ -52,11 +47,13 @@ def _value_at(config: Mapping[str, Any], key: str) -> Any:
     return config.get(section, {}).get(name)
 
 
-def public_fields(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+def public_fields(config: Mapping[str, Any], choices: Choices = NO_CHOICES
+                  ) -> list[dict[str, Any]]:
     """Every non-secret field with its current value in ``config`` (a
-    ``FlashMoEConfig.to_dict()``) and its doc, default, range and live flag."""
+    ``FlashMoEConfig.to_dict()``) and its doc, default, range, live flag and choices (those a
+    running service gives in ``choices``, e.g. the cache manager's policies)."""
     return [{**row, "choices": list(row["choices"]) if row["choices"] else None,
-             "value": _value_at(config, row["key"])} for row in _rows()]
+             "value": _value_at(config, row["key"])} for row in _rows(choices)]
 
 
 def redact(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,40 +85,49 @@ def _field_schema(row: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def changes_schema() -> dict[str, Any]:
-    """JSON Schema of ``{"section.field": value}``: one property per config field."""
-    properties = {row["key"]: _field_schema(row) for row in _rows()}
+def changes_schema(choices: Choices = NO_CHOICES) -> dict[str, Any]:
+    """JSON Schema of ``{"section.field": value}``: one property per config field (with the
+    choices a running service gives in ``choices``)."""
+    properties = {row["key"]: _field_schema(row) for row in _rows(choices)}
     properties["profile"] = {"type": "string", "description": "Device profile (fixed while "
                              "running).", "x-live": False}
     return {"type": "object", "properties": properties, "additionalProperties": False}
 
 
-def _bounds(key: str) -> dict[str, Any]:
-    for row in _rows():
+def _bounds(key: str, choices: Choices) -> dict[str, Any]:
+    for row in _rows(choices):
         if row["key"] == key:
             return {"lo": row["lo"], "hi": row["hi"],
                     "choices": list(row["choices"]) if row["choices"] else None}
     return {"lo": None, "hi": None, "choices": None}
 
 
-def validate_changes(changes: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def validate_changes(changes: Mapping[str, Any], choices: Choices = NO_CHOICES,
+                     unknown: Mapping[str, str] | None = None
+                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The changes coerced and checked as at start, and one error per bad one (the field,
-    the value, its range or choices, and common/config.py's message; a policy must be one the
-    registry has). ``profile`` passes through (``fixed_refusals`` refuses it)."""
+    the value, its range or choices, and common/config.py's message). A field whose choices a
+    running service gives must be one of ``choices``; one in ``unknown`` (field -> why its
+    choices are not known, e.g. no cache manager runs) is refused with that reason.
+    ``profile`` passes through (``fixed_refusals`` refuses it)."""
     checked, errors = {}, []
-    registry = registry_choices()
+    unknown = unknown or {}
     for key, value in changes.items():
         if key == "profile":
             checked[key] = value
             continue
         try:
             good = check_value(key, value, "the control panel")
-            if key in registry and good not in registry[key]:
+            if key in unknown:
+                raise ConfigError(f"{key} (from the control panel) = {value!r}: its choices "
+                                  f"are not known, {unknown[key]}")
+            if key in choices and good not in choices[key]:
                 raise ConfigError(f"{key} (from the control panel) = {value!r} is not allowed; "
-                                  f"choices: {', '.join(registry[key])}")
+                                  f"choices: {', '.join(choices[key])}")
             checked[key] = good
         except ConfigError as exc:
-            errors.append({"field": key, "value": value, **_bounds(key), "message": str(exc)})
+            errors.append({"field": key, "value": value, **_bounds(key, choices),
+                           "message": str(exc)})
     return checked, errors
 
 

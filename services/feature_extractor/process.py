@@ -139,4 +139,5 @@ def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], pub
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: FeatureExtractorService(config, events, publish,
                                                                control_endpoint, warmup,
-                                                               cluster_shape))
+                                                               cluster_shape),
+                               FeatureExtractorService.name)

@@ -24,8 +24,8 @@ from common.config import FlashMoEConfig
 from common.model_families import FAMILIES
 from common.store import ExpertStore, StoreError
 
+from .events import EventPublisher
 from .model_runner import Fetch, ModelRunner
-from .process import EventPublisher
 
 log = logging.getLogger("flashmoe.inference_worker")
 

@@ -227,4 +227,5 @@ def run_predictor_process(config: FlashMoEConfig, features: list[str], publish: 
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: PredictorService(config, features, publish,
                                                         control_endpoint, checkpoint_dir,
-                                                        warmup, cluster_shape))
+                                                        warmup, cluster_shape),
+                               PredictorService.name)

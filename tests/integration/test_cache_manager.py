@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.bus import policies
 from common.cache_client import CacheClient
 from common.config import load_config
 from common.store import ExpertStore
@@ -107,6 +108,14 @@ def test_live_manager_runs_any_registered_policy(policy, tiny_store, start_manag
         stats = client.stats()
     assert stats["policy"] == policy and stats["n_evict"] > 0
     assert stats["n_hit"] + stats["n_miss"] == 120 and stats["resident"] <= 5
+
+
+def test_manager_gives_the_policies_it_can_run_live(tiny_store, start_manager):
+    manager = start_manager(tiny_store, "cache.policy=arc")
+    with CacheClient(manager.endpoint):  # the control socket answers once a worker is served
+        rep = policies(manager.control)
+    assert rep.policy == "arc" and {"lru", "arc", "flashmoe"} <= set(rep.choices)
+    assert "belady" not in rep.choices  # needs the future: the simulator's alone
 
 
 @pytest.mark.parametrize("policy, words", [("nope", "unknown policy"),

@@ -180,7 +180,7 @@ def test_config_has_every_field_with_its_range_and_no_token(live):
     assert status == 200 and "cdn" not in docs.lower()
 
 
-# The refusal cases, as the table: (changes, token, status, words in the answer).
+# The refusal cases: (changes, token, status, words in the answer).
 REFUSALS = [
     ({"cache.policy": "lru"}, None, 401, ["token"]),
     ({"cache.policy": "lru"}, "wrong", 401, ["token"]),

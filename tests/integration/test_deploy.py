@@ -4,8 +4,8 @@ No Docker engine runs on these machines, so `deploy up|status|down` drive a stan
 (tests/support/docker_standin.py) through the real Docker SDK over a real unix socket. The stand-in
 checks every request against the Engine API's published definition (moby's swagger.yaml)
 and refuses what it does not allow; what it cannot show is what a real engine then does with
-an allowed request (start processes, apply seccomp, mount /dev/shm): README's "Deployment"
-section says what was run against a real engine and what was not.
+an allowed request (start processes, apply seccomp, mount /dev/shm): docs/deploy.md
+says what was run against a real engine and what was not.
 """
 
 from __future__ import annotations

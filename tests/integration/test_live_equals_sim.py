@@ -4,6 +4,7 @@ slice of the real gpt-oss-20b trace through a live cache-manager process over re
 `flashmoe bench --mode core` on the same slice, policy and capacity."""
 
 import json
+import signal
 import subprocess
 
 import numpy as np
@@ -43,3 +44,28 @@ def test_live_hits_and_misses_equal_the_simulator(policy, capacity, gptoss_tiny_
     for key in ("n_hit", "n_miss", "n_load", "n_evict"):
         assert live[key] == sim.stats[key], (key, live[key], sim.stats[key])
     assert live["n_hit"] + live["n_miss"] == TOKENS * 24 * 4 and live["n_checksum_error"] == 0
+
+
+def test_a_looping_worker_stops_on_sigterm_and_reports(gptoss_tiny_store, start_manager,
+                                                       tmp_path):
+    """SIGTERM ends the replay after the token in progress: the worker releases its pins,
+    writes the cache manager's stats and exits 0 (the service skeleton's stop)."""
+    manager = start_manager(gptoss_tiny_store)
+    out = tmp_path / "worker.json"
+    proc = subprocess.Popen(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
+                                        "gptoss20b:eval", "--tokens", "5", "--loop", "--json",
+                                        str(out)),
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        manager.wait_for(lambda s: s["n_hit"] + s["n_miss"] > 5 * 24 * 4, timeout_s=120,
+                         what="the worker looping over its slice")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "trace_worker stopped after" in err
+    assert json.loads(out.read_text())["n_hit"] > 0

@@ -6,14 +6,18 @@ import threading
 import pytest
 import zmq
 
-from common.bus import ControlServer, ServiceUnavailable, residency, service_config, tune
+from common.bus import (ControlServer, ServiceUnavailable, policies, residency, service_config,
+                        tune)
 from common.config import describe_fields, load_config
 from common.protocol import TuneRep
 from services.control_panel.core import (History, Rates, changes_schema, fixed_refusals,
                                          merge_tune_replies, public_fields, redact,
                                          validate_changes)
+from services.cache_manager.tuning import live_policies
+from services.control_panel.panel import Panel
 
 CONFIG = load_config(env={}, overrides=["panel.token=s3cret"])
+POLICY_CHOICES = {"cache.policy": live_policies()}  # what a cache manager answers
 
 
 def test_fields_and_schema_come_from_the_config_definition_without_the_token():
@@ -23,7 +27,7 @@ def test_fields_and_schema_come_from_the_config_definition_without_the_token():
     assert "panel.token" not in keys and "panel.port" in keys
     depth = next(row for row in rows if row["key"] == "io.queue_depth")
     assert (depth["lo"], depth["hi"], depth["live"], depth["value"]) == (1, 256, False, 8)
-    schema = changes_schema()
+    schema = changes_schema(POLICY_CHOICES)
     assert schema["additionalProperties"] is False
     assert schema["properties"]["io.queue_depth"]["maximum"] == 256
     assert "lru" in schema["properties"]["cache.policy"]["enum"]
@@ -40,7 +44,7 @@ def test_fields_and_schema_come_from_the_config_definition_without_the_token():
     ("predictor.drift", "maybe", ["not a boolean"]),
 ])
 def test_invalid_changes_name_the_field_and_its_range(key, value, words):
-    checked, errors = validate_changes({key: value, "prefetch.window": 2})
+    checked, errors = validate_changes({key: value, "prefetch.window": 2}, POLICY_CHOICES)
     assert checked == {"prefetch.window": 2}
     assert len(errors) == 1 and errors[0]["field"] == key
     for word in words:
@@ -136,6 +140,20 @@ def test_control_server_checks_applies_and_reports_the_config(control):
     assert service_config(endpoint)["prefetch"]["threshold"] == 0.7
     with pytest.raises(ServiceUnavailable, match="does not answer ResidencyReq"):
         residency(endpoint)
+    with pytest.raises(ServiceUnavailable, match="does not answer PoliciesReq"):
+        policies(endpoint)
+
+
+def test_with_no_cache_manager_the_panel_says_the_policy_choices_are_unknown(tmp_path):
+    panel = Panel(CONFIG, runtime_dir=tmp_path)
+    choices, unknown = panel.service_choices()
+    assert choices == {} and "no cache manager is running" in unknown["cache.policy"]
+    outcome = panel.apply({"cache.policy": "lru"})
+    assert outcome.status == 422
+    [error] = outcome.body["detail"]
+    assert error["field"] == "cache.policy" and "no cache manager" in error["message"]
+    assert [row for row in panel.config_view()["fields"]
+            if row["key"] == "cache.policy"][0]["choices"] is None
 
 
 def test_a_service_without_a_hook_says_it_takes_no_live_change(tmp_path):

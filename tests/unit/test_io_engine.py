@@ -12,8 +12,8 @@ import pytest
 from common.arena import Arena
 from common.store import ExpertStore
 from services.cache_manager import io_engine
-from services.cache_manager.io_engine import (IOEngine, IOEngineError, PreadEngine, UringEngine,
-                                              open_engine, parse_fault_spec)
+from services.cache_manager.io_engine import (IOEngine, IOEngineError, IOFaults, PreadEngine,
+                                              UringEngine, open_engine, parse_fault_spec)
 from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()
@@ -142,7 +142,7 @@ def test_read_leaves_other_batches_to_reap(store_and_arena, open_kind, kind):
 def test_read_keeps_batches_reaped_in_the_same_call_as_its_own():
     """read() may reap its own batch ahead of others in one call; those stay for reap()."""
 
-    class Scripted(io_engine._EngineBase):
+    class Scripted(io_engine.EngineBase):
         name = "scripted"
 
         def __init__(self):
@@ -183,6 +183,14 @@ def test_fault_spec_parses_and_rejects_unknown_kinds():
             parse_fault_spec(bad)
 
 
+def test_faults_are_a_declared_setting_read_from_the_env():
+    faults = IOFaults.from_env({"FMIO_FAULT": "short_read:3,delay:5,delay:7"})
+    assert faults == IOFaults(delay=7, short_read=3)
+    assert faults.items() == [("delay", 7), ("short_read", 3)]
+    assert faults.spec() == "delay:7,short_read:3" and IOFaults.parse(faults.spec()) == faults
+    assert IOFaults.from_env({}).items() == []
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fmio_fault_env_arms_faults_loudly(store_and_arena, open_kind, kind, monkeypatch,
                                            caplog):
@@ -206,7 +214,7 @@ def test_uring_helper_loads_and_rings_are_allowed_here():
 
 def test_auto_falls_back_to_pread_with_reason(store_and_arena, monkeypatch, tmp_path):
     store, arena = store_and_arena
-    monkeypatch.setattr(io_engine, "HELPER_LIBRARY", tmp_path / "missing.so")
+    monkeypatch.setattr(io_engine.uring, "HELPER_LIBRARY", tmp_path / "missing.so")
     engine, reason = open_engine("auto", arena.mmap, arena.slot_bytes, N_SLOTS,
                                  store.stripe_paths, 4)
     try:

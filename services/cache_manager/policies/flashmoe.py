@@ -8,7 +8,7 @@ bucket distribution, turned into layer steps), delivered with ``set_estimate`` a
 manager's ``predictor.max_age_ms`` (it calls ``set_estimate(None)``), the policy falls back to
 LRU and says so (``fallback``).
 
-``hybrid_share`` > 0 selects the seed's hybrid instead: the best-scored share of the residents
+``hybrid_share`` > 0 selects a hybrid instead: the best-scored share of the residents
 is kept, the rest is evicted in LRU order (an ablation; evicting by the score alone measures
 better on the dev split).
 """
