@@ -6,7 +6,7 @@ Starts the main job (the sample or the full eval split, as `flashmoe run` finds 
 panel on a free port, lets it run ``--seconds``, then takes the page in headless Chromium (the
 same browser the panel's test drives): ``panel-live.png`` (figures and charts),
 ``panel-experts.png`` (experts per layer: popularity and residency) and ``panel-config.png``
-(the configuration form after a live change). Stops the run with SIGTERM at the end.
+(the configuration form: live fields can be changed there with the printed token). Stops the run with SIGTERM at the end.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> int:
     proc, lines = start_run(args.token_ms)
     try:
         match = wait_for(lines, r"control panel (http://\S+)\s+token (\S+)", 900)
-        url, token = match.group(1), match.group(2)
+        url = match.group(1)
         print(f"panel at {url}; running {args.seconds:g} s", flush=True)
         time.sleep(args.seconds)
         options = webdriver.ChromeOptions()
@@ -83,14 +83,8 @@ def main() -> int:
             driver.execute_script("arguments[0].scrollIntoView()", heatmap)
             time.sleep(1)
             driver.save_screenshot(str(out / "panel-experts.png"))
-            driver.find_element(By.ID, "token").send_keys(token)
-            row = driver.find_element(By.CSS_SELECTOR, "tr[data-key='prefetch.threshold']")
-            field = row.find_element(By.CSS_SELECTOR, "input")
-            field.clear()
-            field.send_keys("0.6")
-            row.find_element(By.TAG_NAME, "button").click()
-            wait.until(lambda d: d.execute_script("return window.flashmoePanel.lastTune"))
-            driver.execute_script("document.getElementById('tune-result').scrollIntoView()")
+            table = driver.find_element(By.XPATH, "//h2[contains(text(), 'Configuration')]")
+            driver.execute_script("arguments[0].scrollIntoView()", table)
             time.sleep(1)
             driver.save_screenshot(str(out / "panel-config.png"))
         finally:

@@ -131,24 +131,33 @@ def project_containers(client, project: str, service: str | None = None) -> list
     return containers
 
 
-def ensure_network(client, project: Project, net: Resource, log) -> None:
+def _existing(collection, res: Resource, kind: str):
+    """The engine's network or volume named as ``res``, or None; an external one must exist."""
     from docker.errors import NotFound
 
     try:
-        existing = client.networks.get(net.name)
+        existing = collection.get(res.name)
     except NotFound:
         existing = None
+    if res.external and existing is None:
+        raise DeployError(f"{kind} {res.name} is declared external but does not exist "
+                          f"(create it first)")
+    return existing
+
+
+def _owner(existing) -> str | None:
+    return (existing.attrs.get("Labels") or {}).get(LABEL_PROJECT)
+
+
+def ensure_network(client, project: Project, net: Resource, log) -> None:
+    existing = _existing(client.networks, net, "network")
     if net.external:
-        if existing is None:
-            raise DeployError(f"network {net.name} is declared external but does not exist "
-                              f"(create it first)")
         return
     if existing is not None:
-        owner = (existing.attrs.get("Labels") or {}).get(LABEL_PROJECT)
-        if owner != project.name:
+        if _owner(existing) != project.name:
             raise DeployError(f"network {net.name} exists and does not belong to project "
-                              f"{project.name} (its {LABEL_PROJECT} label: {owner!r}); "
-                              f"remove it or declare it external")
+                              f"{project.name} (its {LABEL_PROJECT} label: "
+                              f"{_owner(existing)!r}); remove it or declare it external")
         return
     client.networks.create(net.name, driver=net.driver or "bridge",
                            options=net.driver_opts or None, internal=net.internal,
@@ -159,19 +168,11 @@ def ensure_network(client, project: Project, net: Resource, log) -> None:
 
 
 def ensure_volume(client, project: Project, vol: Resource, log) -> None:
-    from docker.errors import NotFound
-
-    try:
-        existing = client.volumes.get(vol.name)
-    except NotFound:
-        existing = None
+    existing = _existing(client.volumes, vol, "volume")
     if vol.external:
-        if existing is None:
-            raise DeployError(f"volume {vol.name} is declared external but does not exist "
-                              f"(create it first)")
         return
     if existing is not None:
-        if (existing.attrs.get("Labels") or {}).get(LABEL_PROJECT) != project.name:
+        if _owner(existing) != project.name:
             log(f"warning: volume {vol.name} already exists and was not created by flashmoe "
                 f"deploy for project {project.name}: using it as it is")
         return
