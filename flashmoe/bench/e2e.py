@@ -417,12 +417,17 @@ def plot(report: dict, path: str) -> None:
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
         xs = [j + i * width for j in range(len(budgets))]
-        ys = [by[(mode, b)]["tokens_per_s"] if (mode, b) in by else 0 for b in budgets]
-        ax.bar(xs, ys, width, label=mode)
+        rows = [by.get((mode, b), {}) for b in budgets]
+        ys = [r.get("tokens_per_s", 0) for r in rows]
+        # the whisker spans the slowest to the fastest round
+        spread = [[y - r.get("tokens_per_s_min", y) for y, r in zip(ys, rows)],
+                  [r.get("tokens_per_s_max", y) - y for y, r in zip(ys, rows)]]
+        ax.bar(xs, ys, width, yerr=spread, capsize=4, label=mode)
     ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(budgets))])
     ax.set_xticklabels([f"{b:g} of the experts' bytes" for b in budgets])
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"end to end, {report['shape']} shape at scale {report['scale']}")
+    ax.set_ylabel("tokens/s (median; whiskers: min..max of the rounds)")
+    ax.set_title(f"end to end, {report['shape']} shape at scale {report['scale']}, "
+                 f"{report['tokens']} tokens x {report['rounds']} rounds")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
