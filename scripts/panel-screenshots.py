@@ -6,7 +6,7 @@ Starts the main job (the sample or the full eval split, as `flashmoe run` finds 
 panel on a free port, lets it run ``--seconds``, then takes the page in headless Chromium (the
 same browser the panel's test drives): ``panel-live.png`` (figures and charts),
 ``panel-experts.png`` (experts per layer: popularity and residency) and ``panel-config.png``
-(the configuration form: live fields can be changed there with the printed token). Stops the run with SIGTERM at the end.
+(the configuration form). Stops the run with SIGTERM at the end.
 """
 
 from __future__ import annotations
