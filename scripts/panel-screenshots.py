@@ -4,9 +4,9 @@
 
 Starts the main job (the sample or the full eval split, as `flashmoe run` finds them) with the
 panel on a free port, lets it run ``--seconds``, then takes the page in headless Chromium (the
-same browser the panel's test drives): ``panel-live.png`` (figures and charts),
-``panel-experts.png`` (experts per layer: popularity and residency) and ``panel-config.png``
-(the configuration form). Stops the run with SIGTERM at the end.
+same browser the panel's test drives): ``panel-live.png`` (figures and charts) and
+``panel-experts.png`` (experts per layer: popularity and residency; the configuration form
+below). Stops the run with SIGTERM at the end.
 """
 
 from __future__ import annotations
@@ -83,10 +83,6 @@ def main() -> int:
             driver.execute_script("arguments[0].scrollIntoView()", heatmap)
             time.sleep(1)
             driver.save_screenshot(str(out / "panel-experts.png"))
-            table = driver.find_element(By.XPATH, "//h2[contains(text(), 'Configuration')]")
-            driver.execute_script("arguments[0].scrollIntoView()", table)
-            time.sleep(1)
-            driver.save_screenshot(str(out / "panel-config.png"))
         finally:
             driver.quit()
     finally:
@@ -95,7 +91,7 @@ def main() -> int:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    for name in ("panel-live.png", "panel-experts.png", "panel-config.png"):
+    for name in ("panel-live.png", "panel-experts.png"):
         print(f"wrote {out / name}")
     return 0
 
