@@ -5,9 +5,10 @@ Docker SDK (images, build, pull, networks, volumes, containers: create, inspect,
 restart, stop, remove), keeping its state in memory. Every request is first checked against
 the Engine API's published definition, moby's ``api/swagger.yaml`` (committed under
 ``tests/data/moby/`` with moby's license; see its README.md for the commit), as
-``tests/support/engine_api_spec.py`` reads it: paths, methods, query parameters and JSON bodies, with
-no field the schema does not declare: the engine decodes into fixed Go structs and silently
-drops unknown fields, which is how a misspelled or retired field would go unnoticed.
+``tests/support/engine_api_spec.py`` reads it: paths, methods, query parameters and JSON
+bodies, with no field the schema does not declare: the engine decodes into fixed Go structs
+and silently drops unknown fields, which is how a misspelled or retired field would go
+unnoticed.
 
 A request that fails a check is answered 400 with the reason (and kept in ``refused``); a
 request the spec allows but the stand-in does not implement is answered 501. Header
