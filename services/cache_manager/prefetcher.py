@@ -3,13 +3,15 @@ token), which experts will the next layer want? Learned online by the cache mana
 from the requests it serves.
 
 Statistics (counts, updated when a token's last layer is served):
-  tab[x][m][e]  routing that followed input token x            (the token's context)
-  C1[m][j][e]   expert j at layer m - 1 -> expert e at layer m, same token (co-activation)
-  C2[m][j][e]   expert j at layer m - 2 -> expert e at layer m
-  freq[m][e]    usage decayed with a half-life of 8 tokens; u1: used by the previous token
-Features of a candidate (m, e) once layer m - 1 is routed: log P_tab, log mean_j P_C1(e | j),
-log mean_j P_C2(e | j), log freq, u1 (every P smoothed towards the long-run frequency with
-weight ``alpha``); logit = w . features + b[m], with w learned online by logistic SGD.
+  token_uses[x][m][e]     routing that followed input token x (the token's context)
+  after_prev[m][j][e]     expert j at layer m - 1 -> expert e at layer m, same token
+  after_prev2[m][j][e]    expert j at layer m - 2 -> expert e at layer m
+  freq[m][e]              usage decayed with a half-life of 8 tokens
+  used_last[m][e]         used by the previous token
+Features of a candidate (m, e) once layer m - 1 is routed: log P(e | token), log mean_j
+P(e | j at m - 1), log mean_j P(e | j at m - 2), log freq, used_last (every P smoothed towards
+the long-run frequency with weight ``alpha``); logit = w . features + b[m], with w learned
+online by logistic SGD.
 
 After a worker's request for layer l it hints the experts of layer l + 1 whose probability
 reaches ``threshold`` (at most ``per_layer``), so that a wrong guess costs little SSD traffic;
@@ -40,16 +42,16 @@ class NextLayerPrefetcher:
         self.params = params
         L, E = num_layers, num_experts
         self.token_row: dict[str, int] = {}
-        self.tab_c = np.zeros((256, L, E), np.float32)
-        self.tab_n = np.zeros(256, np.float32)
-        self.C1 = np.zeros((L, E, E), np.float32)
-        self.n1 = np.zeros((L, E), np.float32)
-        self.C2 = np.zeros((L, E, E), np.float32)
-        self.n2 = np.zeros((L, E), np.float32)
+        self.token_uses = np.zeros((256, L, E), np.float32)
+        self.token_seen = np.zeros(256, np.float32)
+        self.after_prev = np.zeros((L, E, E), np.float32)
+        self.prev_seen = np.zeros((L, E), np.float32)
+        self.after_prev2 = np.zeros((L, E, E), np.float32)
+        self.prev2_seen = np.zeros((L, E), np.float32)
         self.decay = 0.5 ** (1 / 8)
         self.freq = np.full((L, E), top_k / E, np.float32)
         self.slow = np.full((L, E), top_k / E, np.float32)
-        self.u1 = np.zeros((L, E), np.float32)
+        self.used_last = np.zeros((L, E), np.float32)
         self.w = np.array([1.0, 1.0, 0.5, 0.3, 0.3], np.float32)
         self.b = np.zeros(L, np.float32)
         self.stats = {"hints": 0, "tokens": 0}
@@ -97,13 +99,16 @@ class NextLayerPrefetcher:
         a, prior = self.params.alpha, self.slow[m]
         X = np.empty((self.E, FEATURES), np.float32)
         row = self._row(stream["token"])
-        tab = prior if row is None else (self.tab_c[row, m] + a * prior) / (self.tab_n[row] + a)
+        tab = prior if row is None else \
+            (self.token_uses[row, m] + a * prior) / (self.token_seen[row] + a)
         X[:, 0] = np.log(tab + 1e-4)
-        X[:, 1] = self._transition(self.C1[m], self.n1[m], stream["routing"][m - 1], prior)
-        X[:, 2] = (self._transition(self.C2[m], self.n2[m], stream["routing"][m - 2], prior)
+        X[:, 1] = self._transition(self.after_prev[m], self.prev_seen[m],
+                                   stream["routing"][m - 1], prior)
+        X[:, 2] = (self._transition(self.after_prev2[m], self.prev2_seen[m],
+                                    stream["routing"][m - 2], prior)
                    if m >= 2 else X[:, 1])
         X[:, 3] = np.log(self.freq[m] + 1e-4)
-        X[:, 4] = self.u1[m]
+        X[:, 4] = self.used_last[m]
         return X
 
     def _transition(self, counts, seen, sources, prior) -> np.ndarray:
@@ -129,12 +134,13 @@ class NextLayerPrefetcher:
         row = self._row(stream["token"])
         if row is None:
             row = self.token_row[stream["token"]] = len(self.token_row)
-            if row >= len(self.tab_n):
-                self.tab_c = np.concatenate([self.tab_c, np.zeros_like(self.tab_c)])
-                self.tab_n = np.concatenate([self.tab_n, np.zeros_like(self.tab_n)])
-        self.tab_c[row] += used
-        self.tab_n[row] += 1
-        for counts, seen, lag in ((self.C1, self.n1, 1), (self.C2, self.n2, 2)):
+            if row >= len(self.token_seen):
+                self.token_uses = np.concatenate([self.token_uses, np.zeros_like(self.token_uses)])
+                self.token_seen = np.concatenate([self.token_seen, np.zeros_like(self.token_seen)])
+        self.token_uses[row] += used
+        self.token_seen[row] += 1
+        for counts, seen, lag in ((self.after_prev, self.prev_seen, 1),
+                                  (self.after_prev2, self.prev2_seen, 2)):
             m = np.arange(lag, L)
             layer = np.repeat(m, K * K)
             src = np.repeat(routing[m - lag], K, axis=1).reshape(-1)
@@ -143,5 +149,5 @@ class NextLayerPrefetcher:
             np.add.at(seen, (np.repeat(m, K), routing[m - lag].reshape(-1)), 1.0)
         self.freq = self.decay * self.freq + (1 - self.decay) * used
         self.slow = 0.999 * self.slow + 0.001 * used
-        self.u1 = used
+        self.used_last = used
         self.stats["tokens"] += 1
