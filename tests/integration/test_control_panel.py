@@ -21,22 +21,16 @@ from pathlib import Path
 import pytest
 
 from common.config import describe_fields, load_config
-from common.traces import Trace, load_gptoss20b
+from common.traces import load_gptoss20b
 from flashmoe.runtime.launch import child_env, cli_command
 from flashmoe.tools.synth_store import synth_store
+from tests.support.traces import sequences_slice
 
 pytestmark = [pytest.mark.slow, pytest.mark.traces]
 TOKEN = "panel-test-token"
 TOKEN_MS = 40.0
 STATIC = Path(__file__).resolve().parents[2] / "services" / "control_panel" / "static"
 URL_LINE = re.compile(r"\[run\] control panel (http://\S+)\s+token (\S+)")
-
-
-def train_slice(sequences: int) -> Trace:
-    trace = load_gptoss20b("train")
-    end = int(trace.offsets[sequences])
-    return Trace("train-slice", trace.experts[:end], trace.offsets[:sequences + 1],
-                 trace.num_experts, trace.model, trace.probs[:end], trace.sequences[:sequences])
 
 
 class LiveRun:
@@ -47,7 +41,8 @@ class LiveRun:
 
         store = synth_store(root / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
                             parallelism=3, show_progress=False).path
-        warmup(train_slice(3), load_config(env={}), root / "warmup")
+        warmup(sequences_slice(load_gptoss20b("train"), "train-slice", 0, 3),
+               load_config(env={}), root / "warmup")
         self.runtime = root / "rt"
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
