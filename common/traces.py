@@ -108,8 +108,7 @@ def find_traces_dir(flag: str | Path | None = None, setting: str | Path | None =
 
 def has_full_traces(traces_dir: str | Path | None = None) -> bool:
     """Whether the full gpt-oss-20b traces are in ``traces_dir`` (default: as found)."""
-    folder = Path(traces_dir) if traces_dir else find_traces_dir()
-    return (folder / "gptoss20b" / "routing.npz").is_file()
+    return (find_traces_dir(traces_dir) / "gptoss20b" / "routing.npz").is_file()
 
 
 def first_sequences(trace: Trace, tokens: int, cover: bool = False) -> Trace:
@@ -137,7 +136,7 @@ def load_gptoss20b(split: str = "eval", traces_dir: str | Path | None = None) ->
     folder = find_traces_dir(traces_dir) / "gptoss20b"
     if split not in SPLITS:
         raise TraceError(f"gptoss20b split {split!r}: choose {', '.join(SPLITS)}")
-    if not (folder / "routing.npz").is_file():
+    if not has_full_traces(traces_dir):
         raise TraceError(f"{folder}: the full gpt-oss-20b traces are not there (routing.npz and "
                          f"meta.jsonl): give their folder with --traces-dir or the traces.dir "
                          f"setting; the committed sample is the trace "
