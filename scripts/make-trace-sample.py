@@ -10,7 +10,6 @@ that hold at least ``SAMPLE_EVAL_TOKENS`` tokens. Deterministic: the same traces
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from common.traces import (SAMPLE_DIR, SAMPLE_EVAL_TOKENS, SAMPLE_TRAIN_TOKENS, find_traces_dir,
                            first_sequences, load_gptoss20b, save_trace)
