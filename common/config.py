@@ -205,6 +205,10 @@ class PrefetchConfig:
         "Layers right after the current one that the look-ahead prefetch leaves alone: a "
         "read started now would still be in flight when they ask (default chosen on dev).",
         lo=0, hi=64, live=True))
+    router_lookahead: bool = field(default=True, metadata=_spec(
+        "Router look-ahead (`serve`, `generate`): while a MoE layer computes, the next MoE "
+        "layer's router is applied to its input and that layer's top experts are hinted.",
+        fixed_because="the worker reads it when it loads the model: restart it"))
 
 
 @dataclass
@@ -218,6 +222,7 @@ class PanelConfig:
         secret=True))
 
 
+_SERVE_FIXED = "the API's settings are read when `flashmoe serve` starts: restart it"
 _CLUSTER_FIXED = "the Redis link is made when a service starts: restart the services to change it"
 
 
@@ -271,6 +276,29 @@ class TracesConfig:
         fixed_because="traces are read when a command starts"))
 
 
+@dataclass
+class ServeConfig:
+    host: str = field(default="127.0.0.1", metadata=_spec(
+        "Address `flashmoe serve`'s OpenAI-compatible API listens on (loopback by default; "
+        "0.0.0.0 exposes it to the network: set serve.api_key then).",
+        fixed_because=_SERVE_FIXED))
+    port: int = field(default=8000, metadata=_spec(
+        "TCP port of the API (0: any free port; the URL is printed at start).", lo=0,
+        hi=65535, fixed_because=_SERVE_FIXED))
+    api_key: str = field(default="", metadata=_spec(
+        "Key every API request must carry (`Authorization: Bearer <key>`); empty: none asked.",
+        secret=True, fixed_because=_SERVE_FIXED))
+    model_name: str = field(default="", metadata=_spec(
+        "The model's id in the API; empty: the store folder's name.",
+        fixed_because=_SERVE_FIXED))
+    max_queue: int = field(default=64, metadata=_spec(
+        "Requests waiting for the model beyond those it decodes; more get 503.", lo=1,
+        hi=100_000, fixed_because=_SERVE_FIXED))
+    max_batch: int = field(default=8, metadata=_spec(
+        "Sequences decoded together (each MoE layer's experts acquired once for all of them).",
+        lo=1, hi=256, fixed_because=_SERVE_FIXED))
+
+
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "8gb": {"predictor": {"lstm_hidden": 32}, "store": {"block_size": 128 * KIB},
@@ -296,6 +324,7 @@ class FlashMoEConfig:
     panel: PanelConfig = field(default_factory=PanelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     traces: TracesConfig = field(default_factory=TracesConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

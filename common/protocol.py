@@ -28,7 +28,8 @@ import msgspec
 # 3: the learning path's AccessEvent, FeatureBatch, Prediction; AcquireReq.token.
 # 4: the control socket's ConfigReq/Rep, TuneReq/Rep and ResidencyReq/Rep (the control panel).
 # 5: AcquireReq.step (which decode step a request serves, in AccessEvent seq numbers).
-SCHEMA_VERSION = 5
+# 6: AccessEvent.prefill (a prompt position's routing, not a decode step's).
+SCHEMA_VERSION = 6
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
@@ -139,6 +140,7 @@ class AccessEvent(Message):
     next_token: ShortText  # the token it produced (the next step's input); "" at the end
     experts: Rows  # per MoE layer, the router's top-k expert ids, highest first
     probs: ProbRows  # the same shape: router probabilities; [] when unknown
+    prefill: bool = False  # a prompt position's routing (its prefill), not a decode step's
 
 
 class FeatureBatch(Message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from common.config import describe_fields
@@ -26,6 +27,25 @@ def cmd_run(args) -> int:
     print(format_summary(summary))
     if args.json:
         write_json(summary, args.json)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from common.store import StoreError
+    from flashmoe.runtime.serve import serve
+    from flashmoe.runtime.supervisor import SupervisionError
+
+    first = ["cache.policy=flashmoe"]
+    if args.capacity is not None:
+        first.append(f"cache.capacity_experts={args.capacity}")
+    settings = config(args, first=first)
+    try:
+        serve(settings, args.store, Path(args.home), args.warmup)
+    except StoreError as exc:
+        print(f"flashmoe serve: {exc}", file=sys.stderr)
+        return 2
+    except SupervisionError:
+        return 1
     return 0
 
 
@@ -66,6 +86,17 @@ def register(sub) -> None:
     add_json(p, help="write the summary")
     add_config_flags(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="serve a converted model through an OpenAI-compatible "
+                                     "API, the learned cache live")
+    p.add_argument("store", help="a store made by `flashmoe convert`")
+    p.add_argument("--home", default=".flashmoe/serve",
+                   help="where each store's learned state is kept (the store is only read)")
+    add_warmup(p, help="a warm-up checkpoint of this model (`flashmoe warmup --store STORE "
+                       "--text FILE`); default: the state kept under --home, else cold")
+    p.add_argument("--capacity", type=int, help="experts the cache holds (cache.capacity_experts)")
+    add_config_flags(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("doctor", help="check io_uring, O_DIRECT, memlock, /dev/shm, the kernel "
                                       "and the SSD's power state; each with a fix")

@@ -87,6 +87,15 @@ def cmd_trace_worker(args) -> int:
     return 0
 
 
+def cmd_serve_worker(args) -> int:
+    from services.inference_worker.server import run_serve_worker
+
+    return run_serve_worker(config(args, args.store), args.store, args.cache, args.events,
+                            args.predictor_control,
+                            Path(args.runtime_dir) if args.runtime_dir else None,
+                            args.control_endpoint)
+
+
 def cmd_generate(args) -> int:
     import tempfile
 
@@ -211,6 +220,18 @@ def register(sub) -> None:
                    help="run each layer's experts on the fetched weights (real matrix work)")
     add_config_flags(p)
     p.set_defaults(func=cmd_trace_worker)
+
+    p = sub.add_parser("serve-worker", help="run the serving worker: the model behind the "
+                                            "OpenAI-compatible API (`flashmoe serve` starts it)")
+    p.add_argument("store")
+    p.add_argument("--cache", required=True, help="the cache manager's endpoint")
+    _add_events(p)
+    p.add_argument("--predictor-control", help="the predictor's control endpoint (its figures "
+                                               "in /stats)")
+    p.add_argument("--runtime-dir", help="where to announce the URL (serve.json)")
+    p.add_argument("--control-endpoint", help="answer health and stats there")
+    add_config_flags(p)
+    p.set_defaults(func=cmd_serve_worker)
 
     p = sub.add_parser("generate", help="generate text with a store's model, its experts "
                                         "through the cache manager")

@@ -57,7 +57,7 @@ def record_text_routing(store_path: str | Path, text_file: str | Path, cache_end
         runner = ModelRunner(store_path, arena_fetch(client))
         for n, ids in enumerate(sequences):
             runner.reset()
-            runner.forward(ids[:1], token_text(tokenizer, ids[0]))
+            runner.step(ids[:1], token_text(tokenizer, ids[0]))
             for token in ids[1:]:
                 step = runner.decode(token, token_text(tokenizer, token))
                 rows.append(step.experts)

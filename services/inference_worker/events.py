@@ -21,9 +21,11 @@ class EventPublisher:
         self.source, self.epoch, self.seq = source, time.time_ns(), 0
 
     def publish(self, sequence: int, position: int, input_token: str, next_token: str,
-                experts: list[list[int]], probs: list[list[float]]) -> None:
+                experts: list[list[int]], probs: list[list[float]],
+                prefill: bool = False) -> None:
         self.publisher.publish(AccessEvent(self.source, self.epoch, self.seq, sequence,
-                                           position, input_token, next_token, experts, probs))
+                                           position, input_token, next_token, experts, probs,
+                                           prefill))
         self.seq += 1
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from common.config import FlashMoEConfig
 from common.model_families import FAMILIES
 from common.store import ExpertStore, StoreError
 
+from .engine import SamplingParams, token_text  # noqa: F401 - text_warmup's
 from .events import EventPublisher
 from .model_runner import Fetch, ModelRunner
 
@@ -80,31 +81,6 @@ def load_tokenizer(store_path: str | Path):
                          f"checkpoint folder that has its tokenizer files") from None
 
 
-def token_text(tokenizer, token: int) -> str:
-    """A token as text for events and the prefetcher (never empty: "" means 'no token')."""
-    return tokenizer.decode([token]) or tokenizer.convert_ids_to_tokens(token) or f"<{token}>"
-
-
-class TextStream:
-    """Turns a growing list of token ids into the new text each token adds, holding back a
-    piece that ends inside a UTF-8 character (byte-level tokens can split one) until a later
-    token completes it or the last token flushes it."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def push(self, token: int, last: bool = False) -> str:
-        self.ids.append(token)
-        text = self.text()
-        if text.endswith("\ufffd") and not last:
-            return ""
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-
 def _same_store(served: ExpertStore, store_path: Path) -> bool:
     if served.path.resolve() == store_path.resolve():
         return True
@@ -117,21 +93,27 @@ def _same_store(served: ExpertStore, store_path: Path) -> bool:
 def generate(store_path: str | Path, prompt: str, max_new_tokens: int, cache_endpoint: str,
              config: FlashMoEConfig | None = None, events: str | None = None,
              on_token: Callable[[str], None] | None = None, *, name: str = "worker",
-             sequence: int = 0, settle_s: float = 0.5) -> dict:
-    """Greedy decoding of up to ``max_new_tokens`` new tokens (fewer at an end-of-sequence
-    token). ``on_token`` is called once per new token, as soon as it is chosen, with the text
-    it adds (possibly "", see ``TextStream``). Returns ``prompt_ids``, ``token_ids`` (the new
-    tokens), ``text``, ``stats`` (the cache manager's, after this worker released its pins),
-    ``prefill_s``, ``decode_s`` and ``decode_steps``."""
+             settle_s: float = 0.5, params: SamplingParams | None = None) -> dict:
+    """Up to ``max_new_tokens`` new tokens (greedy unless ``params`` say otherwise), through
+    the same engine as `flashmoe serve` (in this process, no HTTP): the prompt tokenized as
+    ``/v1/completions`` does, the same arithmetic, the same events. ``on_token`` gets each
+    piece of new text as soon as it is known. Returns ``prompt_ids``, ``token_ids`` (the new
+    tokens), ``text``, ``finish_reason``, ``stats`` (the cache manager's, after the engine
+    released its pins), ``prefill_s``, ``decode_s`` and ``decode_steps``."""
+    from .api import encode_prompt
+    from .engine import Engine, Request
+
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     store_path = Path(store_path)
+    settings = config or FlashMoEConfig()
     tokenizer = load_tokenizer(store_path)
-    prompt_ids = list(tokenizer(prompt)["input_ids"])
+    prompt_ids = encode_prompt(tokenizer, prompt)
     if not prompt_ids:
         raise ValueError("the prompt gives no tokens")
-    publisher = EventPublisher(config or FlashMoEConfig(), events, f"{name}[{os.getpid()}]") \
-        if events else None
+    params = params or SamplingParams(temperature=0.0)
+    params.max_tokens = max_new_tokens
+    publisher = EventPublisher(settings, events, f"{name}[{os.getpid()}]") if events else None
     try:
         if publisher is not None:
             time.sleep(settle_s)  # the subscribers' time to connect
@@ -140,39 +122,41 @@ def generate(store_path: str | Path, prompt: str, max_new_tokens: int, cache_end
                 raise StoreError(f"the cache manager at {cache_endpoint} serves "
                                  f"{client.store.path}, not the store {store_path}")
             runner = ModelRunner(store_path, arena_fetch(client))
-            eos = runner.eos_token_ids | ({tokenizer.eos_token_id}
-                                          if tokenizer.eos_token_id is not None else set())
-            stream = TextStream(tokenizer)
+            runner.lookahead = settings.prefetch.router_lookahead
+            engine = Engine(runner, tokenizer, client.ready.n_slots, release=client.release,
+                            hint=client.prefetch if runner.lookahead else None,
+                            publisher=publisher,
+                            set_step=lambda step: setattr(client, "step", step),
+                            max_queue=1, max_batch=1)
+            engine.clamp(prompt_ids, params)
+            pieces, times, done = [], [], {}
+
+            def emit(kind: str, payload) -> None:
+                if kind == "text":
+                    times.append(time.monotonic())
+                    pieces.append(payload)
+                    if on_token:
+                        on_token(payload)
+                elif kind == "done":
+                    done.update(payload)
+                else:
+                    done["error"] = payload
+
             started = time.monotonic()
-            step = runner.prefill(prompt_ids)
-            prefill_s = time.monotonic() - started
-            token = int(step.logits.argmax())
-            generated = [token]
-            last = max_new_tokens == 1 or token in eos
-            if on_token:
-                on_token(stream.push(token, last))
-            while not last:
-                # The AccessEvent published below gets this seq: the acquires say so.
-                client.step = publisher.seq if publisher is not None else -1
-                step = runner.decode(token, token_text(tokenizer, token))
-                following = int(step.logits.argmax())
-                generated.append(following)
-                last = len(generated) >= max_new_tokens or following in eos
-                if publisher is not None:
-                    publisher.publish(sequence, len(generated) - 2,
-                                      token_text(tokenizer, token),
-                                      "" if last else token_text(tokenizer, following),
-                                      step.experts, step.probs)
-                token = following
-                if on_token:
-                    on_token(stream.push(token, last))
-            decode_s = time.monotonic() - started - prefill_s
+            engine.submit(Request(prompt_ids, params, emit))
+            while not done:
+                engine.turn()
+            if "error" in done:
+                raise done["error"]
             client.release()
             stats = client.stats()
     finally:
         if publisher is not None:
             publisher.close()
-    log.info("generated %d tokens from a %d-token prompt", len(generated), len(prompt_ids))
-    return {"prompt_ids": prompt_ids, "token_ids": generated, "text": stream.text(),
-            "stats": stats, "prefill_s": prefill_s, "decode_s": decode_s,
-            "decode_steps": len(generated) - 1}
+    log.info("generated %d tokens from a %d-token prompt", done["completion_tokens"],
+             len(prompt_ids))
+    prefill_s = times[0] - started
+    return {"prompt_ids": prompt_ids, "token_ids": done["token_ids"], "text": "".join(pieces),
+            "finish_reason": done["finish_reason"], "stats": stats, "prefill_s": prefill_s,
+            "decode_s": times[-1] - times[0], "decode_steps": len(times) - 1,
+            "lookahead_recall": engine.lookahead_recall()}

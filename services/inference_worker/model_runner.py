@@ -24,8 +24,9 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,44 +59,150 @@ class StepResult:
     experts: list[list[int]]  # per MoE layer: the router's top-k at the last position
     probs: list[list[float]]  # the same shape: their routing weights
     token: str  # the step's input token as the caller named it ("" for a prefill)
+    # with ``all_positions``: per position, (experts, probs) of every MoE layer
+    positions: list | None = None
+    lookahead: dict = field(default_factory=dict)  # layer -> experts the look-ahead hinted
 
 
 class _ExpertBank:
     """Stands in for one fused expert parameter ([E, ...]) of an experts module: indexing it
-    with an expert id gives that expert's slice, fetched through the layer's fetch plan."""
+    with an expert id gives that expert's slice, from the layer's meeting of the calling
+    thread's forward."""
 
     def __init__(self, owner: ArenaExperts, parameter: str) -> None:
         self.owner, self.parameter = owner, parameter
 
     def __getitem__(self, expert) -> torch.Tensor:
-        return self.owner.plan.parameters_of(int(expert))[self.parameter]
+        ctx = self.owner.runner.context()
+        return ctx.group.parameters(ctx.meet, int(expert))[self.parameter]
 
 
-class _FetchPlan:
-    """The experts one forward of one layer needs, fetched in order, one request at a time."""
+class _Meet:
+    """One MoE layer of one step: the routing each forward brought, the union of their
+    experts cut into requests, and the request whose weights are loaded now."""
 
-    def __init__(self, runner: ModelRunner, layer: int, requests: list[list[int]]) -> None:
-        self.runner, self.layer, self.requests = runner, layer, requests
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.rows: list[list[list[int]]] = []  # per forward: its positions' top-k
+        self.requests: list[list[int]] = []
+        self.done_requests = 0  # requests fetched so far
         self.loaded: dict[int, dict[str, torch.Tensor]] = {}
+        self.waiting = 0  # forwards done with the loaded request, waiting for the next
+        self.finished = 0  # forwards done with the layer
 
-    def next_request(self) -> None:
-        # The views of the previous request go first: the next request unpins them.
-        self.loaded = {}
-        experts = self.requests.pop(0)
-        params = self.runner.fetch_layer(self.layer, experts)
-        dtype = self.runner.dtype
-        self.loaded = {expert: {name: t if t.dtype == dtype else t.to(dtype)
+
+class StepGroup:
+    """The forwards of one step, one thread each, meeting at every MoE layer: once all have
+    brought their routing, the union of their experts is fetched in requests of at most
+    ``max_request`` experts (ascending ids, the order the eager loop visits them; a single
+    position's top-k in the router's order), and each forward computes its own experts from
+    the shared weights. Each forward runs with ``cond`` held and lets go of it only while it
+    waits, so one computes at a time: every product is the one it would be alone.
+
+    ``fetch(layer, experts)``: the weights of ``experts`` (one request to the cache manager,
+    which drops the pins of the request before it). ``hint(layer, experts)``: a prefetch
+    hint (router look-ahead), or None."""
+
+    def __init__(self, size: int, fetch: Callable[[int, list[int]], list[dict]],
+                 max_request: int, dtype: torch.dtype,
+                 hint: Callable[[int, list[int]], None] | None = None) -> None:
+        self.size, self.fetch, self.max_request, self.dtype = size, fetch, max_request, dtype
+        self.hint = hint
+        self.cond = threading.Condition()
+        self.meets: dict[int, _Meet] = {}
+        self.error: BaseException | None = None
+        self.hints: dict[int, set[int]] = {}  # layer -> experts hinted for it this step
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            if self.error is not None:
+                raise StepAborted(f"another forward of this step failed: {self.error!r}")
+            self.cond.wait()
+        if self.error is not None:
+            raise StepAborted(f"another forward of this step failed: {self.error!r}")
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.cond.notify_all()
+
+    def arrive(self, layer: int, rows: list[list[int]], lookahead: dict[int, set[int]]
+               ) -> _Meet:
+        meet = self.meets.get(layer)
+        if meet is None:
+            meet = self.meets[layer] = _Meet(layer)
+        meet.rows.append(rows)
+        for ahead, experts in lookahead.items():
+            self.hints.setdefault(ahead, set()).update(experts)
+        if len(meet.rows) == self.size:
+            if self.size == 1 and len(rows) == 1:
+                meet.requests = [list(rows[0])]
+            else:
+                chosen = sorted({e for forward in meet.rows for row in forward for e in row})
+                n = self.max_request
+                meet.requests = [chosen[i:i + n] for i in range(0, len(chosen), n)]
+            if self.hint is not None:
+                for ahead, experts in self.hints.items():
+                    if ahead not in self.meets:
+                        self.hint(ahead, sorted(experts))
+            self._next_request(meet)
+        else:
+            self._wait(lambda: meet.done_requests > 0)
+        return meet
+
+    def _next_request(self, meet: _Meet) -> None:
+        meet.loaded = {}  # the views of the request before go first: this one unpins them
+        meet.waiting = 0
+        experts = meet.requests[meet.done_requests]
+        try:
+            params = self.fetch(meet.layer, experts)
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        dtype = self.dtype
+        meet.loaded = {expert: {name: t if t.dtype == dtype else t.to(dtype)
                                 for name, t in p.items()}
                        for expert, p in zip(experts, params)}
+        meet.done_requests += 1
+        self.cond.notify_all()
 
-    def parameters_of(self, expert: int) -> dict[str, torch.Tensor]:
-        while expert not in self.loaded:
-            if not self.requests:
-                raise RuntimeError(f"layer {self.layer}: the experts forward used expert "
+    def parameters(self, meet: _Meet, expert: int) -> dict[str, torch.Tensor]:
+        while expert not in meet.loaded:
+            if meet.done_requests >= len(meet.requests):
+                raise RuntimeError(f"layer {meet.layer}: the experts forward used expert "
                                    f"{expert} out of ascending order, or one the router did "
                                    f"not select")
-            self.next_request()
-        return self.loaded[expert]
+            generation = meet.done_requests
+            meet.waiting += 1
+            if meet.waiting + meet.finished == self.size:
+                self._next_request(meet)
+            else:
+                self._wait(lambda: meet.done_requests != generation)
+        return meet.loaded[expert]
+
+    def leave(self, meet: _Meet) -> None:
+        meet.finished += 1
+        if self.error is not None:
+            return
+        if meet.finished == self.size:
+            meet.loaded = {}
+            del self.meets[meet.layer]
+        elif meet.waiting and meet.waiting + meet.finished == self.size:
+            self._next_request(meet)
+
+
+class StepAborted(RuntimeError):
+    """A forward of the step failed (a fetch, say): the others stop at their next meeting."""
+
+
+@dataclass
+class _Context:
+    """What one thread's forward keeps: its step group, its meeting, its routing."""
+    group: StepGroup
+    token: str = ""
+    meet: _Meet | None = None
+    routing: dict = field(default_factory=dict)  # layer -> (top-k index, weights) tensors
+    lookahead: dict = field(default_factory=dict)  # layer -> experts hinted for it
 
 
 class ArenaExperts(nn.Module):
@@ -116,24 +223,20 @@ class ArenaExperts(nn.Module):
         self.layer = layer
         self.eager = experts
         self.runner = runner  # a plain reference (not a module)
-        self.plan: _FetchPlan | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         runner = self.runner
-        runner.record_routing(self.layer, top_k_index, top_k_weights)
-        if top_k_index.shape[0] == 1:  # one position: the router's top-k, in its order
-            requests = [top_k_index[0].tolist()]
-        else:  # the eager loop's order: ascending expert ids
-            chosen = sorted(set(top_k_index.flatten().tolist()))
-            n = runner.prefill_request_experts
-            requests = [chosen[i:i + n] for i in range(0, len(chosen), n)]
-        self.plan = _FetchPlan(runner, self.layer, requests)
+        ctx = runner.context()
+        ctx.routing[self.layer] = (top_k_index, top_k_weights)
+        ahead = runner.look_ahead(self.layer, hidden_states)
+        ctx.lookahead.update(ahead)
+        ctx.meet = ctx.group.arrive(self.layer, top_k_index.tolist(), ahead)
         try:
-            self.plan.next_request()  # at once: the layer's routing is known
             return self.eager(hidden_states, top_k_index, top_k_weights)
         finally:
-            self.plan = None  # no view of the arena outlives the layer's forward
+            meet, ctx.meet = ctx.meet, None  # no view of the arena outlives the layer
+            ctx.group.leave(meet)
 
 
 def _dtype_of(config) -> torch.dtype:
@@ -142,10 +245,13 @@ def _dtype_of(config) -> torch.dtype:
 
 
 class ModelRunner:
-    """Greedy-decoding core of the worker: prefill a prompt, then one token per step, with a
-    KV cache; every forward reports each MoE layer's routing of its last position."""
+    """The worker's model: forward passes of one or many sequences, each with its own KV
+    cache; every forward reports each MoE layer's routing. ``forward`` runs one sequence in
+    a ``StepGroup`` (the engine runs a step's sequences in threads of one group); ``prefill``
+    and ``decode`` are the one-sequence form over the runner's own cache and ``fetch``."""
 
-    def __init__(self, store_path: str | Path, fetch: Fetch, dtype: torch.dtype | None = None,
+    def __init__(self, store_path: str | Path, fetch: Fetch | None = None,
+                 dtype: torch.dtype | None = None,
                  prefill_request_experts: int | None = None,
                  attn_implementation: str | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -177,12 +283,17 @@ class ModelRunner:
         self._load_non_expert(model, store_path / NON_EXPERT_NAME)
         model.eval()
         self.model = model
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.cache_name = ("cache" if "cache" in inspect.signature(model.forward).parameters
                            else "past_key_values")
-        self.cache = None
-        self.token = ""  # the current step's input token: the cache manager's context
+        # Router look-ahead: layer -> the next MoE layer's router (None: off).
+        routers = dict(self.family.routers(model))
+        self.next_router = {layer: routers.get(after) for layer, after
+                            in zip(self.moe_layers, self.moe_layers[1:])}
+        self.lookahead = False
+        self._local = threading.local()
+        self.cache = None  # the one-sequence form's KV cache
         self._last_layer: int | None = None  # the layer whose pins the next request drops
-        self._routing: dict[int, tuple[list[int], list[float]]] = {}
 
     def _load_non_expert(self, model: nn.Module, path: Path) -> None:
         from safetensors.torch import load_file
@@ -239,39 +350,72 @@ class ModelRunner:
 
     # --- called by ArenaExperts -----------------------------------------------------------
 
-    def record_routing(self, layer: int, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor) -> None:
-        self._routing[layer] = (top_k_index[-1].tolist(), top_k_weights[-1].float().tolist())
+    def context(self) -> _Context:
+        return self._local.ctx
 
-    def fetch_layer(self, layer: int, experts: list[int]) -> list[dict[str, torch.Tensor]]:
+    def look_ahead(self, layer: int, hidden_states: torch.Tensor) -> dict[int, set[int]]:
+        """Router look-ahead: the next MoE layer's router applied to this layer's input (the
+        residual stream it will see, but for this layer's own update); its top-k of the last
+        position, {next layer: experts}, or {} when off."""
+        router = self.next_router.get(layer) if self.lookahead else None
+        if router is None:
+            return {}
+        with torch.inference_mode():
+            index = router(hidden_states[-1:])[-1]
+        return {self.moe_layers[self.moe_layers.index(layer) + 1]: set(index[0].tolist())}
+
+    def fetch_layer(self, layer: int, experts: list[int], token: str = ""
+                    ) -> list[dict[str, torch.Tensor]]:
+        """One request through ``fetch``, dropping the pins of the layer fetched before."""
         release = [] if self._last_layer in (None, layer) else [self._last_layer]
-        params = self.fetch(layer, experts, release, self.token)
+        params = self.fetch(layer, experts, release, token)
         self._last_layer = layer
         return params
 
-    # --- decoding -------------------------------------------------------------------------
+    # --- forward passes -------------------------------------------------------------------
+
+    def forward(self, ids: list[int], cache, group: StepGroup, token: str = "",
+                all_positions: bool = False) -> tuple[StepResult, object]:
+        """Run ``ids`` after what ``cache`` (a KV cache, None for a new sequence) holds, in
+        ``group``; returns the step's result and the cache. ``token``: the step's input
+        token as text. ``all_positions``: the result also has every position's routing."""
+        ctx = self._local.ctx = _Context(group, token)
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.tensor([ids]), use_cache=True,
+                                 **{self.cache_name: cache})
+        finally:
+            self._local.ctx = None
+        rows = [ctx.routing[layer] for layer in self.moe_layers]
+        step = StepResult(out.logits[0, -1], [r[0][-1].tolist() for r in rows],
+                          [r[1][-1].float().tolist() for r in rows], token)
+        if all_positions:
+            step.positions = [([r[0][i].tolist() for r in rows],
+                               [r[1][i].float().tolist() for r in rows])
+                              for i in range(len(ids))]
+        step.lookahead = ctx.lookahead
+        return step, getattr(out, self.cache_name)
+
+    def solo_group(self, token: str = "") -> StepGroup:
+        return StepGroup(1, lambda layer, experts: self.fetch_layer(layer, experts, token),
+                         self.prefill_request_experts, self.dtype)
 
     def reset(self) -> None:
         """Start a new sequence (drops the KV cache)."""
         self.cache = None
 
-    def forward(self, ids: list[int], token: str = "") -> StepResult:
-        """Run ``ids`` after what the KV cache holds; ``token`` is the step's input token as
-        text (context sent with each acquire)."""
-        self.token = token
-        self._routing = {}
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids]), use_cache=True,
-                             **{self.cache_name: self.cache})
-        self.cache = getattr(out, self.cache_name)
-        rows = [self._routing[layer] for layer in self.moe_layers]
-        return StepResult(out.logits[0, -1], [r[0] for r in rows], [r[1] for r in rows], token)
+    def step(self, ids: list[int], token: str = "") -> StepResult:
+        """``ids`` after the runner's own KV cache, alone."""
+        group = self.solo_group(token)
+        with group.cond:
+            step, self.cache = self.forward(ids, self.cache, group, token)
+        return step
 
     def prefill(self, ids: list[int]) -> StepResult:
         """A new sequence: its prompt in one forward pass."""
         self.reset()
-        return self.forward(ids)
+        return self.step(ids)
 
     def decode(self, token: int, token_text: str = "") -> StepResult:
         """One decode step: feed the previous step's token."""
-        return self.forward([token], token_text)
+        return self.step([token], token_text)

@@ -174,8 +174,11 @@ def test_generate_streams_tokens_publishes_events_and_returns_stats(models, star
     stats = result["stats"]
     assert stats["n_hit"] + stats["n_miss"] >= LAYERS * TOP_K * len(tokens)
     assert stats["pinned"] == 0 and stats["n_evict"] > 0
-    # One AccessEvent per decode step, in order, the last one closing the sequence.
-    assert [e.position for e in received] == list(range(len(tokens) - 1))
+    # One AccessEvent per prompt position (marked prefill), then one per decode step, in
+    # order, the last one closing the sequence.
+    n = len(result["prompt_ids"])
+    assert [e.position for e in received] == list(range(n + len(tokens) - 1))
+    assert [e.prefill for e in received] == [True] * n + [False] * (len(tokens) - 1)
     assert all(len(e.experts) == LAYERS and len(e.experts[0]) == TOP_K for e in received)
     assert received[-1].next_token == "" and all(e.next_token for e in received[:-1])
 

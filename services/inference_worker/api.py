@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP API of `flashmoe serve` (FastAPI).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain
+JSON, or server-sent events ending with ``data: [DONE]`` when ``stream`` is true),
+``GET /health`` (200 once the engine can serve, else 503), ``GET /stats`` (JSON: the
+engine's and the cache's figures) and ``GET /metrics`` (Prometheus). The handlers never run
+the model: a request goes into the engine's bounded queue and its text comes back through an
+asyncio queue, fed from the model loop's thread. A client that disconnects cancels its
+request. Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .engine import QueueFull, Request as EngineRequest, RequestError, SamplingParams
+
+DISCONNECT_CHECK_S = 0.5
+DEFAULT_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": self.type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+@dataclass
+class ServingState:
+    """What the app serves: set by the worker process, read by the handlers."""
+    model_name: str
+    api_key: str = ""
+    engine: object = None  # an Engine once it can serve
+    tokenizer: object = None
+    load_error: str = ""
+    cache_stats: Callable[[], dict] = dict  # the cache manager's stats (may raise)
+    predictor_stats: Callable[[], dict] = dict
+    created: int = field(default_factory=lambda: int(time.time()))
+    ttft_s: list = field(default_factory=list)  # recent figures for /metrics
+    metrics: object = None  # a RequestMetrics
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A completion prompt's token ids: the tokenizer's own encoding with its special
+    tokens, as `flashmoe generate` does."""
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def chat_prompt(tokenizer, messages) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template (its tokenizer files carry "
+                            "none): use /v1/completions", param="messages",
+                       code="no_chat_template")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise APIError(400, "messages must be a non-empty list of {role, content}",
+                       param="messages")
+    plain = []
+    for m in messages:
+        content = m.get("content", "")
+        if isinstance(content, list):  # content parts: the text ones
+            content = "".join(part.get("text", "") for part in content
+                              if isinstance(part, dict) and part.get("type") == "text")
+        if not isinstance(content, str):
+            raise APIError(400, "a message's content must be text", param="messages")
+        plain.append({"role": m["role"], "content": content})
+    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _number(body: dict, key: str, kind, default):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()):
+        raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'}",
+                       param=key)
+    return kind(value)
+
+
+def sampling_params(body: dict, max_tokens_key: str = "max_tokens") -> SamplingParams:
+    n = _number(body, "n", int, 1)
+    if n != 1:
+        raise APIError(400, "only n = 1 is supported", param="n")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
+    params = SamplingParams(
+        max_tokens=_number({"max_tokens": max_tokens}, "max_tokens", int, DEFAULT_MAX_TOKENS),
+        temperature=_number(body, "temperature", float, 1.0),
+        top_p=_number(body, "top_p", float, 1.0), top_k=_number(body, "top_k", int, 0),
+        seed=_number(body, "seed", int, None), stop=stop,
+        ignore_eos=bool(body.get("ignore_eos", False)))
+    if params.top_k < 0:  # -1 means all, as in vLLM
+        params.top_k = 0 if params.top_k == -1 else params.top_k
+    try:
+        params.check()
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    return params
+
+
+def make_app(state: ServingState) -> FastAPI:
+    app = FastAPI(title="FlashMoE", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def check_key(request: Request) -> None:
+        if state.api_key:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                raise APIError(401, "a valid API key is needed (Authorization: Bearer <key>)",
+                               type_="authentication_error", code="invalid_api_key")
+
+    def ready_engine():
+        if state.engine is None:
+            raise APIError(503, "the model is still loading" if not state.load_error else
+                           f"the model could not be loaded: {state.load_error}",
+                           type_="server_error", code="model_not_ready")
+        return state.engine
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != state.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server has "
+                                f"{state.model_name!r}", param="model", code="model_not_found")
+        return body
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError):
+        return exc.response()
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse({"status": "loading" if not state.load_error else "failed",
+                                 "error": state.load_error or None}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        engine = state.engine
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "flashmoe",
+            "max_model_len": engine.context_length if engine is not None else None}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_key(request)
+        body = await body_of(request)
+        engine = ready_engine()
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode_prompt(state.tokenizer, prompt)
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = len(state.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"a prompt token id is outside [0, {vocab})",
+                               param="prompt")
+            ids = list(prompt)
+        else:
+            raise APIError(400, "prompt must be a string (or one token id list)",
+                           param="prompt")
+        if body.get("echo") or body.get("suffix") or body.get("logprobs"):
+            raise APIError(400, "echo, suffix and logprobs are not supported",
+                           param="echo" if body.get("echo") else
+                           "suffix" if body.get("suffix") else "logprobs")
+        return await generate(request, body, engine, ids, sampling_params(body), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_key(request)
+        body = await body_of(request)
+        engine = ready_engine()
+        ids = chat_prompt(state.tokenizer, body.get("messages"))
+        params = sampling_params(body, "max_completion_tokens")
+        return await generate(request, body, engine, ids, params, chat=True)
+
+    async def generate(request: Request, body: dict, engine, ids: list[int],
+                       params: SamplingParams, chat: bool):
+        try:
+            engine.clamp(ids, params)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, payload) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload, time.monotonic()))
+
+        job = EngineRequest(ids, params, emit)
+        try:
+            engine.submit(job)
+        except QueueFull as exc:
+            raise APIError(503, f"the server is busy: {exc}", type_="server_error",
+                           code="queue_full") from None
+        metrics = state.metrics
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": state.model_name}
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def next_event():
+            kind, payload, at = await events.get()
+            if metrics is not None:
+                metrics.observe(job, kind, at)
+            return kind, payload
+
+        if body.get("stream"):
+            async def stream():
+                done = False
+                try:
+                    if chat:
+                        yield _sse({**head, "choices": [{"index": 0, "delta": {
+                            "role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}]})
+                    while True:
+                        kind, payload = await next_event()
+                        if kind == "text":
+                            if payload:
+                                yield _sse({**head, "choices": [_choice(chat, payload, None,
+                                                                        stream=True)]})
+                        elif kind == "done":
+                            done = True
+                            yield _sse({**head, "choices": [_choice(
+                                chat, "", payload["finish_reason"], stream=True)]})
+                            if include_usage:
+                                yield _sse({**head, "choices": [], "usage": _usage(payload)})
+                            break
+                        else:
+                            done = True
+                            yield _sse({"error": {"message": f"generation failed: {payload}",
+                                                  "type": "server_error", "param": None,
+                                                  "code": None}})
+                            break
+                    yield "data: [DONE]\n\n"
+                finally:
+                    if not done:
+                        job.cancel()
+
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        pieces = []
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(next_event(), DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return Response(status_code=499)
+                    continue
+                if kind == "text":
+                    pieces.append(payload)
+                elif kind == "done":
+                    break
+                else:
+                    raise APIError(500, f"generation failed: {payload}", type_="server_error")
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+        text = "".join(pieces)
+        return {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [_choice(chat, text, payload["finish_reason"])],
+                "usage": _usage(payload)}
+
+    @app.get("/stats")
+    async def stats():
+        return await asyncio.to_thread(serving_stats, state)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = await asyncio.to_thread(lambda: state.metrics.render(serving_stats(state)))
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _sse(doc: dict) -> str:
+    return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
+
+
+def _choice(chat: bool, text: str, finish: str | None, stream: bool = False) -> dict:
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if stream:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish}
+
+
+def _usage(done: dict) -> dict:
+    return {"prompt_tokens": done["prompt_tokens"],
+            "completion_tokens": done["completion_tokens"],
+            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+
+
+def serving_stats(state: ServingState) -> dict:
+    """/stats: the engine's counters and the cache manager's figures (null where a service
+    does not answer)."""
+    engine = state.engine
+    out: dict = {"model": state.model_name, "ready": engine is not None}
+    if engine is not None:
+        s = dict(engine.stats)
+        hinted = s.pop("lookahead_hinted")
+        hits = s.pop("lookahead_hits")
+        out.update(s, queue_length=engine.queue_length(), running=len(engine.active),
+                   router_lookahead=engine.runner.lookahead,
+                   router_lookahead_recall=round(hits / hinted, 4) if hinted else None)
+    try:
+        c = state.cache_stats()
+    except Exception as exc:  # noqa: BLE001 - a dead peer is a figure, not a crash
+        out["cache_error"] = str(exc)
+        c = None
+    if c:
+        n = c["n_hit"] + c["n_miss"]
+        out.update(hit_rate=round((c["n_hit"] + c["n_hit_loading"]) / n, 4) if n else None,
+                   stall_free_rate=round(c["n_hit"] / n, 4) if n else None,
+                   estimate=c.get("estimate"), estimates_used=c.get("estimates_used", 0),
+                   evictions=c["n_evict"], prefetch_learned=c.get("prefetch_learned", 0),
+                   bytes_read=c["n_byte_read"], policy=c.get("policy"),
+                   cache_capacity=c.get("capacity"), cache_hits=c["n_hit"],
+                   cache_misses=c["n_miss"])
+    try:
+        p = state.predictor_stats()
+    except Exception:  # noqa: BLE001
+        p = None
+    if p:
+        out.update(predictor_tokens=p.get("tokens"), predictor_recall=p.get("recall_at_k"))
+    return out

@@ -1,0 +1,392 @@
+"""The serving engine: one model, many requests, the experts through the cache manager.
+
+Requests come in through ``submit`` (any thread) into a bounded queue (``max_queue``: a full
+queue raises ``QueueFull``, the API's 503) and are served by the model loop on its own thread.
+Each turn of the loop is one step: the requests admitted since the last step join (up to
+``max_batch`` sequences in all) and every sequence runs one forward, in a thread of one
+``StepGroup``: a new sequence its whole prompt (the prefill), the others their last token.
+At each MoE layer the forwards meet and the union of their experts is acquired once (in
+requests that fit the cache, see ``StepGroup``); each sequence then computes its own experts,
+one forward at a time, so its arithmetic is what it would be alone: at temperature 0 an
+answer never depends on what else is being served.
+
+After the forward each sequence picks its next token (greedy at temperature 0, else sampled
+with the request's own generator: ``seed`` reproduces an answer), its new text goes to the
+request's ``emit`` (detokenized incrementally, an incomplete UTF-8 character and a possible
+start of a stop string held back), and one AccessEvent per prompt position (marked prefill)
+and per decode step goes to the feature extractor. A request that is cancelled (its client
+went away) leaves at the next step; when no sequence is left the engine's pins are released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .model_runner import ModelRunner, StepAborted, StepGroup
+
+log = logging.getLogger("flashmoe.engine")
+
+IDLE_WAIT_S = 0.05
+
+
+def token_text(tokenizer, token: int) -> str:
+    """A token as text for events and the prefetcher (never empty: "" means 'no token')."""
+    return tokenizer.decode([token]) or tokenizer.convert_ids_to_tokens(token) or f"<{token}>"
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than ``max_queue`` allows."""
+
+
+class RequestError(ValueError):
+    """A request the model cannot take (its ``code`` is OpenAI's error code, if any)."""
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        """RequestError (param named) on a value out of range."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}",
+                               param="max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise RequestError(f"temperature must be in [0, 2], got {self.temperature}",
+                               param="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be 0 (all) or more, got {self.top_k}",
+                               param="top_k")
+        if len(self.stop) > 4 or any(not s for s in self.stop):
+            raise RequestError("stop takes at most 4 non-empty strings", param="stop")
+
+
+@dataclass
+class Request:
+    """One completion. ``emit(kind, payload)`` is called from the model loop: ("text",
+    piece) for each new token (the text it adds, possibly ""), then ("done", {"finish_reason", "prompt_tokens",
+    "completion_tokens"}) or ("error", exception)."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[str, object], None]
+    id: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class StopText:
+    """The text of a growing list of token ids, cut at the first stop string: ``push``
+    returns what may be sent now, holding back an incomplete UTF-8 character and a tail that
+    could still become a stop string; ``stopped`` once one appeared."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, token: int, last: bool) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not last:
+            return ""
+        self.text = text
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at >= 0 and (not self.stopped or at < len(self.text)):
+                self.text, self.stopped = text[:at], True
+        end = len(self.text)
+        if not (self.stopped or last):
+            for s in self.stop:  # a tail that may grow into s
+                for n in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if self.text.endswith(s[:n]):
+                        end = min(end, len(self.text) - n)
+                        break
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    tokens: StopText
+    generator: torch.Generator | None
+    cache: object = None
+    generated: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    first_token_at: float | None = None
+
+
+class Engine:
+    """The model loop (see the module docstring). ``fetch`` and ``hint`` reach the cache
+    manager (``fetch(layer, experts, release_layers, token)``, ``hint(layer, experts)``);
+    ``publish`` is an ``EventPublisher``'s or None; ``max_request``: the most experts one
+    acquire may hold (the cache's slots)."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, max_request: int, *,
+                 release: Callable[[], None], hint=None, publisher=None,
+                 set_step: Callable[[int], None] = lambda step: None,
+                 max_queue: int = 64, max_batch: int = 8) -> None:
+        self.runner, self.tokenizer = runner, tokenizer
+        self.max_request, self.release, self.hint = max_request, release, hint
+        self.publisher, self.set_step = publisher, set_step
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self.eos = runner.eos_token_ids | ({tokenizer.eos_token_id}
+                                           if tokenizer.eos_token_id is not None else set())
+        self.queue: deque[Request] = deque()
+        self.wake = threading.Condition()
+        self.active: list[_Sequence] = []
+        self.ids = itertools.count(1)
+        self.pool = ThreadPoolExecutor(max_batch, thread_name_prefix="forward")
+        self.running = True
+        self.holds_pins = False
+        self.thread: threading.Thread | None = None
+        self.stats = {"requests": 0, "requests_finished": 0, "requests_cancelled": 0,
+                      "requests_failed": 0, "requests_rejected": 0, "tokens_generated": 0,
+                      "prompt_tokens": 0, "steps": 0, "max_batch": 0,
+                      "lookahead_hinted": 0, "lookahead_hits": 0}
+        self.on_step: Callable[[dict], None] | None = None  # metrics: per-step figures
+
+    # --- any thread -----------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    def clamp(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Check the prompt against the context: RequestError with code
+        ``context_length_exceeded`` when it leaves no room; ``max_tokens`` is cut to what the
+        context leaves."""
+        n, ctx = len(prompt_ids), self.context_length
+        if not n:
+            raise RequestError("the prompt gives no tokens", param="prompt")
+        if ctx and n >= ctx:
+            raise RequestError(f"this model's context is {ctx} tokens; the prompt has {n}, "
+                               f"which leaves none to generate", code="context_length_exceeded",
+                               param="prompt")
+        if ctx:
+            params.max_tokens = min(params.max_tokens, ctx - n)
+
+    def submit(self, request: Request) -> Request:
+        with self.wake:
+            if len(self.queue) >= self.max_queue:
+                self.stats["requests_rejected"] += 1
+                raise QueueFull(f"{len(self.queue)} requests are waiting (serve.max_queue)")
+            request.id = next(self.ids)
+            self.queue.append(request)
+            self.stats["requests"] += 1
+            self.wake.notify()
+        return request
+
+    def queue_length(self) -> int:
+        return len(self.queue)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.loop, name="model-loop", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.running = False
+        with self.wake:
+            self.wake.notify()
+        if self.thread is not None:
+            self.thread.join(30)
+        self.pool.shutdown(wait=False)
+
+    # --- the model loop -------------------------------------------------------------------
+
+    def loop(self) -> None:
+        while self.running:
+            if not self.turn():
+                with self.wake:
+                    if not self.queue and self.running:
+                        self.wake.wait(IDLE_WAIT_S)
+        for seq in self.active:
+            seq.request.emit("error", RuntimeError("the server is shutting down"))
+        self.active = []
+
+    def turn(self) -> bool:
+        """One turn of the model loop: admit what waits, then one step if any sequence is
+        active (else the pins go); False when there was nothing to do."""
+        self._admit()
+        if not self.active:
+            if self.holds_pins:
+                self.release()
+                self.holds_pins = False
+            return False
+        self.step()
+        return True
+
+    def lookahead_recall(self) -> float | None:
+        hinted = self.stats["lookahead_hinted"]
+        return round(self.stats["lookahead_hits"] / hinted, 4) if hinted else None
+
+    def _admit(self) -> None:
+        kept = []
+        for seq in self.active:
+            if seq.request.cancelled.is_set():
+                self.stats["requests_cancelled"] += 1
+            else:
+                kept.append(seq)
+        self.active = kept
+        with self.wake:
+            while self.queue and len(self.active) < self.max_batch:
+                request = self.queue.popleft()
+                if request.cancelled.is_set():
+                    self.stats["requests_cancelled"] += 1
+                    continue
+                p = request.params
+                generator = None
+                if p.temperature > 0:
+                    generator = torch.Generator()
+                    generator.manual_seed(p.seed if p.seed is not None
+                                          else int(torch.randint(0, 2**62, (1,))))
+                self.active.append(_Sequence(request, StopText(self.tokenizer, p.stop),
+                                             generator))
+
+    def _text(self, token: int) -> str:
+        return token_text(self.tokenizer, token)
+
+    def step(self) -> None:
+        sequences = list(self.active)
+        runner = self.runner
+        first = sequences[0]
+        token = "" if not first.prefilled else self._text(first.generated[-1])
+        group = StepGroup(len(sequences),
+                          lambda layer, experts: runner.fetch_layer(layer, experts, token),
+                          self.max_request, runner.dtype, hint=self.hint)
+        if self.publisher is not None:
+            self.set_step(self.publisher.seq)
+        self.holds_pins = True
+
+        def forward(seq: _Sequence):
+            with group.cond:
+                if seq.prefilled:
+                    return runner.forward([seq.generated[-1]], seq.cache, group,
+                                          self._text(seq.generated[-1]))
+                return runner.forward(seq.request.prompt_ids, None, group,
+                                      all_positions=self.publisher is not None)
+
+        futures = [self.pool.submit(forward, seq) for seq in sequences]
+        results, failure = [], None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except StepAborted:
+                results.append(None)
+            except Exception as exc:  # noqa: BLE001 - a request fails, the server goes on
+                results.append(None)
+                failure = failure or exc
+        self.stats["steps"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(sequences))
+        if failure is not None:
+            log.warning("a step of %d sequences failed: %r", len(sequences), failure)
+            for seq in sequences:
+                seq.request.emit("error", failure)
+                self.stats["requests_failed"] += 1
+            self.active = [s for s in self.active if s not in sequences]
+            self.release()
+            self.holds_pins = False
+            return
+        now = time.monotonic()
+        for seq, (result, cache) in zip(sequences, results):
+            self._advance(seq, result, cache, now)
+        if self.on_step is not None:
+            self.on_step({"sequences": len(sequences), "at": now})
+
+    def _choose(self, seq: _Sequence, logits: torch.Tensor) -> int:
+        p = seq.request.params
+        if p.temperature <= 0:
+            return int(logits.argmax())
+        scores = logits.float() / p.temperature
+        if p.top_k and p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(ordered, -1).cumsum(-1)
+            cut = cumulative - torch.softmax(ordered, -1) > p.top_p  # keep the first past p
+            scores = scores.scatter(0, order[cut], float("-inf"))
+        probs = torch.softmax(scores, -1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _advance(self, seq: _Sequence, result, cache, now: float) -> None:
+        request, p = seq.request, seq.request.params
+        seq.cache = cache
+        token = self._choose(seq, result.logits)
+        was_prefill = not seq.prefilled
+        seq.prefilled = True
+        seq.generated.append(token)
+        self.stats["tokens_generated"] += 1
+        finish = None
+        if token in self.eos and not p.ignore_eos:
+            finish = "stop"
+        elif len(seq.generated) >= p.max_tokens:
+            finish = "length"
+        piece = seq.tokens.push(token, finish is not None)
+        if seq.tokens.stopped:
+            finish = "stop"
+        self._publish(seq, result, was_prefill, token, finish is not None)
+        self._score_lookahead(result)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        request.emit("text", piece)  # every token, "" included: its time is a figure
+        if finish is not None:
+            self.stats["prompt_tokens"] += len(request.prompt_ids)
+            request.emit("done", {"finish_reason": finish,
+                                  "prompt_tokens": len(request.prompt_ids),
+                                  "completion_tokens": len(seq.generated),
+                                  "token_ids": list(seq.generated)})
+            self.stats["requests_finished"] += 1
+            self.active.remove(seq)
+
+    def _publish(self, seq: _Sequence, result, was_prefill: bool, token: int,
+                 last: bool) -> None:
+        publisher = self.publisher
+        if publisher is None:
+            return
+        request = seq.request
+        nxt = "" if last else self._text(token)
+        if was_prefill:
+            prompt = request.prompt_ids
+            for i, (experts, probs) in enumerate(result.positions or []):
+                following = self._text(prompt[i + 1]) if i + 1 < len(prompt) else nxt
+                publisher.publish(request.id, i, self._text(prompt[i]), following, experts,
+                                  probs, prefill=True)
+            return
+        position = len(request.prompt_ids) + len(seq.generated) - 2
+        publisher.publish(request.id, position, self._text(seq.generated[-2]), nxt,
+                          result.experts, result.probs)
+
+    def _score_lookahead(self, result) -> None:
+        """Recall of the router look-ahead: of the experts hinted for a layer, the share that
+        layer's router then chose (at the step's last position)."""
+        for layer, hinted in result.lookahead.items():
+            actual = result.experts[self.runner.moe_layers.index(layer)]
+            self.stats["lookahead_hinted"] += len(actual)
+            self.stats["lookahead_hits"] += len(hinted & set(actual))

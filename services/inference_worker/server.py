@@ -1,0 +1,239 @@
+"""The inference worker in its serving form: `flashmoe serve`'s model behind an HTTP API.
+
+One process: uvicorn serves the OpenAI-compatible API (``api.py``) on a thread of its own,
+the model loop (``engine.py``) runs on another, and the two meet in the engine's bounded
+queue, so the front end never waits on the model. The model is loaded once, on a loader
+thread while the API already answers (``/health`` is 503 until the engine can serve). Its
+experts come through the cache manager (one ``CacheClient``); one AccessEvent per prompt
+position and decode step goes to the feature extractor (``events``). A cache manager that
+goes away (a restart) is reconnected to at the next request.
+
+The process runs on the service skeleton (common/service.py): SIGTERM/SIGINT end it, after
+which the engine stops, the client releases its pins and the listening socket closes. Once
+listening it writes ``<runtime_dir>/serve.json`` (its URL and pid) and removes it at exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+from common.bus import ServiceUnavailable, control_endpoint_for
+from common.bus import stats as control_stats
+from common.cache_client import CacheClient, CacheManagerUnavailable
+from common.config import FlashMoEConfig
+from common.service import Service, ServiceFailed, run_service_process
+from common.store import ExpertStore, StoreError
+
+from .api import ServingState, make_app
+from .engine import Engine
+from .events import EventPublisher
+from .generate import arena_fetch, load_tokenizer
+from .metrics import RequestMetrics
+from .model_runner import ModelRunner
+
+INFO_FILE = "serve.json"
+EXIT_CANNOT_LISTEN = 2
+STATS_TIMEOUT_S = 2.0
+
+
+class CannotListen(ServiceFailed):
+    exit_code = EXIT_CANNOT_LISTEN
+
+
+class ModelNotLoaded(ServiceFailed):
+    what = "a model that cannot be loaded"
+
+
+class WebServerStopped(ServiceFailed):
+    what = "the web server stopped"
+
+
+def model_name(config: FlashMoEConfig, store: str | Path) -> str:
+    return config.serve.model_name or Path(store).resolve().name
+
+
+class Connection:
+    """The worker's link to the cache manager, made again after the manager restarted."""
+
+    def __init__(self, endpoint: str, config: FlashMoEConfig, runner: ModelRunner | None = None
+                 ) -> None:
+        self.endpoint, self.config = endpoint, config
+        self.client = CacheClient(endpoint, config, name="serve")
+        self.runner = runner
+
+    def fetch(self, layer, experts, release_layers, token):
+        try:
+            return self._fetch(layer, experts, release_layers, token)
+        except CacheManagerUnavailable:
+            self.reconnect()
+            raise
+
+    def reconnect(self) -> None:
+        old, self.client = self.client, None
+        old.close()
+        self.client = CacheClient(self.endpoint, self.config, name="serve")
+        self._fetch = arena_fetch(self.client)
+        if self.runner is not None:
+            self.runner._last_layer = None
+
+    def attach(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._fetch = arena_fetch(self.client)
+        runner.fetch = self.fetch
+
+    def release(self) -> None:
+        try:
+            self.client.release()
+        except CacheManagerUnavailable:
+            self.reconnect()
+
+    def hint(self, layer: int, experts: list[int]) -> None:
+        try:
+            self.client.prefetch(layer, experts)
+        except CacheManagerUnavailable:
+            pass  # the next fetch reconnects
+
+    def set_step(self, step: int) -> None:
+        self.client.step = step
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def build_engine(config: FlashMoEConfig, store: str | Path, connection: Connection,
+                 publisher: EventPublisher | None) -> tuple[Engine, object]:
+    """The model (non-expert weights in RAM, experts through ``connection``), its tokenizer
+    and the engine over them."""
+    store = Path(store)
+    client = connection.client
+    served = client.store
+    if served.path.resolve() != store.resolve() and \
+            ExpertStore.open(store).manifest != served.manifest:
+        raise StoreError(f"the cache manager at {connection.endpoint} serves {served.path}, "
+                         f"not the store {store}")
+    tokenizer = load_tokenizer(store)
+    runner = ModelRunner(store)
+    runner.lookahead = config.prefetch.router_lookahead
+    connection.attach(runner)
+    engine = Engine(runner, tokenizer, client.ready.n_slots, release=connection.release,
+                    hint=connection.hint if runner.lookahead else None, publisher=publisher,
+                    set_step=connection.set_step, max_queue=config.serve.max_queue,
+                    max_batch=config.serve.max_batch)
+    return engine, tokenizer
+
+
+class ServeWorker(Service):
+    name = "serve_worker"
+
+    def __init__(self, config: FlashMoEConfig, store: str, cache_endpoint: str,
+                 events: str | None, predictor_control: str | None, runtime_dir: Path | None,
+                 control_endpoint: str | None = None) -> None:
+        import uvicorn
+
+        super().__init__(config, control_endpoint)
+        self.store, self.cache_endpoint, self.events = store, cache_endpoint, events
+        host, port = config.serve.host, config.serve.port
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.listening = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise CannotListen(f"cannot listen on {host}:{port}: {exc.strerror} (set "
+                               f"serve.port; 0 = any free port)") from None
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.listening.getsockname()[1]}"
+        if host not in ("127.0.0.1", "::1", "localhost") and not config.serve.api_key:
+            self.log.warning("listening on %s without serve.api_key: anyone who can reach it "
+                             "can use the model", host)
+        cache_control = control_endpoint_for(cache_endpoint)
+        self.serving = ServingState(
+            model_name(config, store), config.serve.api_key,
+            cache_stats=lambda: control_stats(cache_control, timeout_s=STATS_TIMEOUT_S),
+            predictor_stats=(lambda: control_stats(predictor_control, timeout_s=STATS_TIMEOUT_S))
+            if predictor_control else dict,
+            metrics=RequestMetrics())
+        self.info = runtime_dir / INFO_FILE if runtime_dir is not None else None
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.serving), log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self.http = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listening]},
+                                     name="api-http", daemon=True)
+        self.loader = threading.Thread(target=self.load, name="model-loader", daemon=True)
+        self.connection: Connection | None = None
+        self.publisher: EventPublisher | None = None
+        self.engine: Engine | None = None
+
+    def banner(self) -> str:
+        return f"serving {self.serving.model_name} ({self.store}) on {self.url}"
+
+    def load(self) -> None:
+        try:
+            if self.events:
+                self.publisher = EventPublisher(self.config, self.events,
+                                                f"serve[{os.getpid()}]")
+            self.connection = Connection(self.cache_endpoint, self.config)
+            engine, tokenizer = build_engine(self.config, self.store, self.connection,
+                                             self.publisher)
+            engine.start()
+            self.engine = engine
+            self.serving.tokenizer = tokenizer
+            self.serving.engine = engine
+            self.log.info("model loaded: %s, %d MoE layers, context %d; API on %s",
+                          type(engine.runner.model).__name__, len(engine.runner.moe_layers),
+                          engine.context_length, self.url)
+        except Exception as exc:  # noqa: BLE001 - reported, then the process exits
+            self.serving.load_error = f"{type(exc).__name__}: {exc}"
+            self.log.exception("the model cannot be served")
+
+    def serve(self) -> None:
+        self.http.start()
+        if self.info is not None:
+            self.info.write_text(json.dumps({"url": self.url, "pid": os.getpid(),
+                                             "model": self.serving.model_name}))
+            self.info.chmod(0o600)
+        self.loader.start()
+        super().serve()
+
+    def on_tick(self, now: float) -> None:
+        if not self.http.is_alive():
+            raise WebServerStopped("uvicorn's thread ended")
+        if self.serving.load_error:
+            raise ModelNotLoaded(self.serving.load_error)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        if self.engine is not None:
+            out.update(self.engine.stats)
+        return out
+
+    def close_resources(self) -> None:
+        self.server.should_exit = True
+        if self.engine is not None:
+            self.engine.stop()
+        if self.http.is_alive():
+            self.http.join(5)
+        self.listening.close()
+        if self.connection is not None:
+            try:
+                self.connection.client.release()
+            except (CacheManagerUnavailable, ServiceUnavailable):
+                pass
+            self.connection.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.info is not None:
+            self.info.unlink(missing_ok=True)
+
+
+def run_serve_worker(config: FlashMoEConfig, store: str, cache_endpoint: str,
+                     events: str | None = None, predictor_control: str | None = None,
+                     runtime_dir: Path | None = None,
+                     control_endpoint: str | None = None) -> int:
+    """Process entry: listen, load the model, serve until SIGTERM/SIGINT."""
+    return run_service_process(lambda: ServeWorker(config, store, cache_endpoint, events,
+                                                   predictor_control, runtime_dir,
+                                                   control_endpoint),
+                               ServeWorker.name)
