@@ -349,8 +349,8 @@ def serving_stats(state: ServingState) -> dict:
                    estimate=c.get("estimate"), estimates_used=c.get("estimates_used", 0),
                    evictions=c["n_evict"], prefetch_learned=c.get("prefetch_learned", 0),
                    bytes_read=c["n_byte_read"], policy=c.get("policy"),
-                   cache_capacity=c.get("capacity"), cache_hits=c["n_hit"],
-                   cache_misses=c["n_miss"])
+                   cache_capacity=c.get("capacity"), cache_pinned=c.get("pinned"),
+                   cache_hits=c["n_hit"], cache_misses=c["n_miss"], cache_pid=c.get("pid"))
     try:
         p = state.predictor_stats()
     except Exception:  # noqa: BLE001
