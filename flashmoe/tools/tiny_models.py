@@ -4,8 +4,8 @@ Nothing is downloaded: the model classes are transformers' own, the weights are 
 ``save_pretrained`` writes the same safetensors keys a real checkpoint has (per-expert keys for
 Qwen3-MoE, OLMoE and Mixtral, a layer's experts fused for GPT-OSS). Each model is saved with a
 small byte-level BPE tokenizer trained here, with the ``tokenizers`` library, on this
-repository's own text, so that text generation works end to end. Tests use these;
-real checkpoints are a user's local folder.
+repository's own text, and a chat template, so that text generation and chat work end to end.
+Tests use these; real checkpoints are a user's local folder.
 """
 
 from __future__ import annotations
@@ -22,6 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 # The tokenizer's training text: this repository's README, then the text of its common/
 # modules (a fixed, local corpus: the same checkout always gives the same tokenizer).
 CORPUS = (ROOT / "README.md", *sorted((ROOT / "common").glob("*.py")))
+# ChatML's layout on the tokenizer's own special tokens: each message is BOS, its role, a
+# newline, its text (a string, or OpenAI-style parts whose text parts are joined) and EOS; with
+# add_generation_prompt the assistant's header follows, so that generation ends at EOS.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ bos_token + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] if part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}")
 
 
 def tiny_config(family: str, layers: int = 2, experts: int = 8, top_k: int = 2,
@@ -66,12 +78,12 @@ def _tokenizer_json(vocab: int) -> str:
 
 def train_tokenizer(vocab: int):
     """A byte-level BPE tokenizer of exactly ``vocab`` tokens (BOS and EOS first) trained on
-    CORPUS, as a transformers fast tokenizer."""
+    CORPUS, with CHAT_TEMPLATE, as a transformers fast tokenizer."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab)),
-                                   bos_token=BOS, eos_token=EOS)
+                                   bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
 def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16",

@@ -19,6 +19,7 @@ from common.store import (ALIGN, CONFIG_NAME, FORMAT_VERSION, MANIFEST_NAME, NON
 from flashmoe.cli import main as cli
 from flashmoe.tools.convert import convert_checkpoint
 from services.cache_manager.io_engine import PreadEngine
+from services.inference_worker.generate import load_tokenizer
 from tests.support.stores import (FAMILIES, TEST_BLOCK_SIZE, TEST_PARALLELISM,
                                   expected_expert_tensors)
 
@@ -237,6 +238,24 @@ def test_unsupported_family_is_a_clear_error(tiny_checkpoints, tmp_path, capsys)
         convert_checkpoint(ckpt, tmp_path / "s", show_progress=False)
     assert cli(["convert", str(ckpt), str(tmp_path / "s2"), "--quiet"]) == 2
     assert "not a supported MoE family" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "olmoe"])
+def test_a_tiny_models_chat_template_reaches_the_converted_store(family, tmp_path, capsys):
+    ckpt, store = tmp_path / "ckpt", tmp_path / "store"
+    assert cli(["make-tiny-model", family, str(ckpt), "--experts", "4",
+                "--expert-intermediate", "16"]) == 0
+    assert cli(["convert", str(ckpt), str(store), "--quiet"]) == 0
+    assert (store / "chat_template.jinja").is_file()
+    tokenizer = load_tokenizer(store)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|bos|>system\nBe brief.<|eos|>\n<|bos|>user\nHi<|eos|>\n"
+                    "<|bos|>assistant\n")
+    ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert ids[0] == 0 and ids.count(0) == 2 and ids.count(1) == 2  # BOS and EOS per message
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert tokenizer.apply_chat_template(parts, tokenize=False) == "<|bos|>user\nHi<|eos|>\n"
 
 
 def test_not_a_checkpoint_folder(tmp_path, capsys):
