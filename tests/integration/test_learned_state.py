@@ -15,22 +15,9 @@ from common.config import load_config
 from common.protocol import AccessEvent
 from flashmoe.runtime.launch import Launcher
 from flashmoe.sim.learning import Learning
+from tests.support.services import wait_for
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2  # the tiny store's
-
-
-def wait_for(endpoint, condition, timeout_s=60.0, what=""):
-    deadline = time.monotonic() + timeout_s
-    current = None
-    while True:
-        try:
-            current = stats(endpoint)
-        except ServiceUnavailable:  # busy (a slow machine): ask again until the deadline
-            current = None
-        if current is not None and condition(current):
-            return current
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {current}"
-        time.sleep(0.1)
 
 
 def settled(endpoint, least_events):

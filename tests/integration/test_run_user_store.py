@@ -14,6 +14,7 @@ from flashmoe.cli.main import main as cli
 from flashmoe.runtime.launch import child_env
 from flashmoe.runtime.run import prepare
 from flashmoe.sim.learning import Learning
+from tests.support.run_output import summary_of
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2  # the tiny store's
 
@@ -71,6 +72,5 @@ def test_run_replays_a_trace_of_the_stores_shape_from_a_cold_start(tiny_store, t
     assert done.returncode == 0, out[-3000:]
     assert "no warm-up" in out and "the learned policy starts cold" in out
     assert "Traceback" not in out and "[run] worker finished" in out
-    summary = dict(line.split(None, 1) for line in done.stdout.splitlines()
-                   if line and not line.startswith("[") and len(line.split(None, 1)) == 2)
+    summary = summary_of(done.stdout)
     assert 0.0 < float(summary["hit_rate"]) <= 1.0 and summary["restarts"].count(": 0") == 5
