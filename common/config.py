@@ -167,7 +167,8 @@ class PredictorConfig:
         "A prediction older than this is not used: the cache manager falls back to LRU.",
         lo=10, hi=3_600_000, live=True))
     checkpoint_every_s: float = field(default=30.0, metadata=_spec(
-        "Seconds between the predictor's checkpoints (a restart resumes from the last).",
+        "Seconds between the learned state's checkpoints: the predictor's, and the feature "
+        "extractor's given a checkpoint folder (a restart resumes from the last).",
         lo=0.1, hi=86_400.0))
 
 

@@ -29,7 +29,8 @@ def cmd_serve_features(args) -> int:
     control = args.control_endpoint or control_endpoint_for(args.endpoint)
     settings = config(args, args.store)
     return run_feature_extractor_process(settings, args.events, args.endpoint, control,
-                                         args.warmup, cluster_shape_of(settings))
+                                         args.warmup, cluster_shape_of(settings),
+                                         args.checkpoint_dir)
 
 
 def cmd_serve_predictor(args) -> int:
@@ -179,7 +180,9 @@ def register(sub) -> None:
     p = _add_learning_service(sub, "serve-features", "run the feature extractor process",
                               "--events", "the workers' AccessEvent PUB endpoint(s)",
                               "FeatureBatches")
-    add_warmup(p, help="start from a warm-up checkpoint's tables")
+    p.add_argument("--checkpoint-dir",
+                   help="where the feature extractor checkpoints its tables (and resumes from)")
+    add_warmup(p, help="start from a warm-up checkpoint's tables (without a checkpoint)")
     add_config_flags(p)
     p.set_defaults(func=cmd_serve_features)
 

@@ -11,7 +11,13 @@ quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkp
 learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split).
 The worker replays gpt-oss-20b's eval split at a model's pace: the full split where the full
 traces are found (``--traces-dir``, ``traces.dir``, ``../shared/traces``), else the sample
-committed in the project (``gptoss20b-sample``); the run says which. Progress (tokens/s, hit
+committed in the project (``gptoss20b-sample``); the run says which.
+
+A user's store (``--store``) is run with a routing trace of its model's shape (layers, experts,
+top-k; ``--trace``, e.g. one made with ``flashmoe trace record``): a trace of another shape is
+refused before anything starts, with what to do instead. A warm-up checkpoint of another shape
+than the store's (the default one is gpt-oss-20b's) is not used: the learned policy starts
+cold, and the run says so. Progress (tokens/s, hit
 rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
 
 The control panel (``services/control_panel``) runs as one more supervised process on
@@ -37,8 +43,10 @@ from pathlib import Path
 from common.bus import ServiceUnavailable, ipc_endpoint, stats
 from common.cluster import summary_of_stats
 from common.config import ENV_PREFIX, ConfigError, FlashMoEConfig
-from common.traces import (SAMPLE_NAME, SAMPLE_TRAIN_TOKENS, find_traces_dir, first_sequences,
-                           has_full_traces, load_trace)
+from common.model_families import SYNTH_SHAPES
+from common.store import ExpertStore
+from common.traces import (SAMPLE_NAME, SAMPLE_TRAIN_TOKENS, Trace, TraceError, find_traces_dir,
+                           first_sequences, has_full_traces, load_trace)
 from flashmoe.runtime.supervisor import ServiceSpec, SupervisionError, Supervisor
 from flashmoe.tools.synth_store import synth_store
 
@@ -55,9 +63,45 @@ def default_traces(traces_dir: Path) -> tuple[str, str]:
     return f"{SAMPLE_NAME}:train", f"{SAMPLE_NAME}:eval"
 
 
+def store_shape(store: str) -> tuple[int, int, int]:
+    """(MoE layers, experts a layer, top-k) of a store's model."""
+    manifest = ExpertStore.open(store).manifest
+    return len(manifest.moe_layers), manifest.num_experts, manifest.top_k
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    return f"{shape[0]} MoE layers x {shape[1]} experts" + \
+        (f", top-{shape[2]}" if len(shape) > 2 else "")
+
+
+def check_trace_fits(trace: Trace, store: str) -> None:
+    """A replay needs a trace of the store's model: else a TraceError that says what to do."""
+    want, got = store_shape(store), (trace.num_layers, trace.num_experts, trace.top_k)
+    if got != want:
+        raise TraceError(
+            f"the trace to replay, {trace.name} ({trace.model}: {shape_text(got)}), is not of "
+            f"the shape of the store {store} ({shape_text(want)}); `run` replays a routing "
+            f"trace through the store's experts, so it needs one of the store's model: record "
+            f"one (`flashmoe trace record --model HF_DIR --prompts PROMPTS.jsonl --out "
+            f"TRACE.npz`) and give it with --trace. `flashmoe generate --store {store} --prompt "
+            f"TEXT` runs the model itself.")
+
+
+def warmup_shape(folder: str | Path) -> tuple[int, int] | None:
+    """(layers, experts) a warm-up checkpoint was made for; None when unreadable (the
+    services then say why they do not use it)."""
+    try:
+        meta = json.loads((Path(folder) / "extractor.json").read_text())
+        return int(meta["L"]), int(meta["E"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str | None,
-            traces_dir: Path, say=print) -> tuple[str, str]:
-    """The store and warm-up checkpoint to run with, made when missing."""
+            traces_dir: Path, say=print) -> tuple[str, str | None]:
+    """The store and warm-up checkpoint to run with, made when missing; no warm-up (None)
+    where the one given, or the default gpt-oss-20b one, is of another shape than the
+    store's."""
     from flashmoe.sim.learning import warmup as run_warmup
     from flashmoe.sim.learning import warmup_fits
 
@@ -68,22 +112,36 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
             f"(first use only)")
         store = str(synth_store(path, "gpt-oss-20b", DEFAULT_SCALE, config.store.block_size,
                                 config.store.parallelism, show_progress=False).path)
-    if warmup is None:
-        path = home / "warmup"
-        if not warmup_fits(path, config):
-            name = default_traces(traces_dir)[0]
-            train = first_sequences(load_trace(name, traces_dir), SAMPLE_TRAIN_TOKENS)
-            say(f"[run] warming the learned policy up on {train.n_tokens} tokens of {name} "
-                f"(first use only)")
-            run_warmup(train, config, path)
-        warmup = str(path)
-    return store, warmup
+    shape = store_shape(store)[:2]
+    if warmup is not None:
+        given = warmup_shape(warmup)
+        if given not in (None, shape):
+            say(f"[run] not using the warm-up {warmup}: it is of {shape_text(given)}, the "
+                f"store's model of {shape_text(shape)}; the learned policy starts cold")
+            return store, None
+        return store, warmup
+    default = SYNTH_SHAPES["gpt-oss-20b"]
+    if shape != (default.layers, default.experts):
+        say(f"[run] no warm-up: the default one is of gpt-oss-20b's shape "
+            f"({shape_text((default.layers, default.experts))}), the store's model of "
+            f"{shape_text(shape)}; the learned policy starts cold (a warm-up of this model: "
+            f"`flashmoe warmup --store {store} --text FILE --out DIR`, then --warmup DIR)")
+        return store, None
+    path = home / "warmup"
+    if not warmup_fits(path, config):
+        name = default_traces(traces_dir)[0]
+        train = first_sequences(load_trace(name, traces_dir), SAMPLE_TRAIN_TOKENS)
+        say(f"[run] warming the learned policy up on {train.n_tokens} tokens of {name} "
+            f"(first use only)")
+        run_warmup(train, config, path)
+    return store, str(path)
 
 
-def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | None,
+def services(store: str, warmup: str | None, runtime: Path, trace: str, tokens: int | None,
              loop: bool, token_ms: float, endpoint,
              traces_dir: Path | None = None) -> list[ServiceSpec]:
-    """The processes of a run, in start order; ``endpoint(service)`` names their sockets."""
+    """The processes of a run, in start order; ``endpoint(service)`` names their sockets.
+    ``warmup`` None: the learning services start cold."""
     events = f"ipc://{runtime}/worker.events.sock"
     worker = ["trace-worker", "--cache", endpoint("cache_manager"), "--events", events,
               "--trace", trace, "--token-ms", str(token_ms)]
@@ -93,12 +151,12 @@ def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | N
         worker.append("--loop")
     elif tokens:
         worker += ["--tokens", str(tokens)]
+    warm = ["--warmup", warmup] if warmup is not None else []
     return [
         ServiceSpec("predictor", ["serve-predictor", store, "--features",
                                   endpoint("feature_extractor"), "--checkpoint-dir",
-                                  str(runtime / "predictor-checkpoint"), "--warmup", warmup]),
-        ServiceSpec("feature_extractor", ["serve-features", store, "--events", events,
-                                          "--warmup", warmup]),
+                                  str(runtime / "predictor-checkpoint"), *warm]),
+        ServiceSpec("feature_extractor", ["serve-features", store, "--events", events, *warm]),
         ServiceSpec("cache_manager", ["serve-cache", store, "--predictions",
                                       endpoint("predictor")]),
         ServiceSpec("worker", worker, health_checked=False, exits_when_done=not loop),
@@ -213,13 +271,16 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
             f"the full eval split from {traces_dir}" if trace.startswith("gptoss20b:") else
             f"the sample committed in the project (the full traces are not in {traces_dir}; "
             f"give their folder with --traces-dir or traces.dir)"))
+    replayed = load_trace(trace, traces_dir)
+    if store is not None:  # before anything is made or started
+        check_trace_fits(replayed, store)
     store, warmup = prepare(home, config, store, warmup, traces_dir, say)
     runtime = Path(config.ipc.runtime_dir) if config.ipc.runtime_dir else \
         Path(tempfile.mkdtemp(prefix="flashmoe-run-"))
     token = config.panel.token or new_token()
     config = dataclasses.replace(config, store=dataclasses.replace(config.store, path=store),
                                  panel=dataclasses.replace(config.panel, token=""))
-    layers = len(load_trace(trace, traces_dir).experts[0])
+    layers = replayed.num_layers
     stop = {"requested": False}
 
     def request_stop(*_args):

@@ -14,10 +14,11 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from common.checkpoints import fsync_path
 from common.model_families import ExpertPart, UnsupportedModelError, family_for_config
 from common.safetensors_io import TensorReader, TensorRef, index_checkpoint
 from common.store import CONFIG_NAME, MANIFEST_NAME, Manifest, StoreError
-from flashmoe.tools.store_writer import StoreMeta, TensorSpec, fsync_path, write_store
+from flashmoe.tools.store_writer import StoreMeta, TensorSpec, write_store
 
 # Files of a checkpoint folder that text generation needs beside the weights (the tokenizer's,
 # the generation defaults); the store carries those there are, unchecked by `verify`.

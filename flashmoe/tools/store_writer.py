@@ -18,6 +18,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from common.checkpoints import fsync_path, write_text_durably
 from common.safetensors_io import write_safetensors
 from common.store import (ALIGN, CONFIG_NAME, FORMAT_VERSION, MANIFEST_NAME, NON_EXPERT_NAME,
                           SIDE_FILES, TENSOR_ALIGN, ExpertEntry, FileEntry, Manifest,
@@ -46,14 +47,6 @@ class StoreMeta:
 Fill = Callable[[ExpertEntry, TensorEntry, memoryview], None]
 # (name, dtype, shape, raw bytes) of each non-expert tensor.
 NonExpertTensors = list[tuple[str, str, tuple[int, ...], bytes | memoryview]]
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -134,11 +127,5 @@ def write_store(store_dir: Path, meta: StoreMeta, specs: dict[tuple[int, int], l
         tuple(experts), tuple(crcs), tuple(expected_stripe_sizes(experts, block_size,
                                                                   parallelism)), files)
     manifest.validate(str(store_dir))
-    tmp = store_dir / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest.to_json(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, store_dir / MANIFEST_NAME)
-    fsync_path(store_dir)
+    write_text_durably(store_dir / MANIFEST_NAME, json.dumps(manifest.to_json()))
     return manifest

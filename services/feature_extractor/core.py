@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from common.checkpoints import replace_durably, write_text_durably
 
 # The per-expert features, in their column order (the FeatureBatch's per_expert rows).
 FEATURES = ("used_last", "prob_last", "recent_freq", "medium_freq", "long_run_freq", "recency",
@@ -411,19 +414,27 @@ def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], met
 
 
 def save_checkpoint(core: ExtractorCore, folder: str | Path) -> None:
-    """``extractor.safetensors`` + ``extractor.json`` in ``folder``."""
+    """``extractor.safetensors`` + ``extractor.json`` in ``folder``, each replaced durably
+    (common/checkpoints.py). The safetensors file carries the JSON too, so that its arrays and
+    their meta always come from the same save."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays, meta = extractor_state(core)
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()},
-              str(folder / "extractor.safetensors"))
-    (folder / "extractor.json").write_text(json.dumps(meta))
+    text = json.dumps(meta)
+    tmp = folder / "extractor.safetensors.tmp"
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+              metadata={"extractor": text})
+    replace_durably(tmp, folder / "extractor.safetensors")
+    write_text_durably(folder / "extractor.json", text)
 
 
 def load_checkpoint(core: ExtractorCore, folder: str | Path) -> dict:
     """Load what ``save_checkpoint`` wrote; returns its JSON (FileNotFoundError, ValueError
     or KeyError when it is missing or does not fit)."""
     folder = Path(folder)
-    meta = json.loads((folder / "extractor.json").read_text())
-    load_extractor_state(core, load_file(str(folder / "extractor.safetensors")), meta)
+    with safe_open(str(folder / "extractor.safetensors"), framework="numpy") as f:
+        text = (f.metadata() or {}).get("extractor")
+        arrays = {key: f.get_tensor(key) for key in f.keys()}
+    meta = json.loads(text if text is not None else (folder / "extractor.json").read_text())
+    load_extractor_state(core, arrays, meta)
     return meta

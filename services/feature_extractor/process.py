@@ -2,8 +2,11 @@
 (PUB, to the predictor), one per token, sequence-numbered.
 
 Every event is counted by its source's sequence numbers (lost ones in ``n_gap``); a malformed
-or wrong-version message is counted and dropped. The core's tables can start from a warm-up
-checkpoint (``--warmup``). With ``cluster.redis_url`` they also start from the peers' shared
+or wrong-version message is counted and dropped. With a ``checkpoint_dir`` the core's tables
+are checkpointed there every ``predictor.checkpoint_every_s`` (when they changed) and at a
+clean shutdown, and a restart resumes from there; else, or when that checkpoint does not fit
+the store's model, they start from a warm-up checkpoint (``--warmup``) that fits, else cold
+(common/checkpoints.py). With ``cluster.redis_url`` they also start from the peers' shared
 popularity, transitions and PCA (common/cluster.py; what it shares: sharing.py), and a
 thread publishes this device's.
 """
@@ -11,11 +14,13 @@ thread publishes this device's.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
+from common.checkpoints import resume
 from common.cluster import (
     ClusterAgent,
     ModelShape,
@@ -30,7 +35,7 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .core import FEATURES, ExtractorCore, load_checkpoint
+from .core import FEATURES, ExtractorCore, load_checkpoint, save_checkpoint
 from .sharing import apply_to_extractor, extractor_patterns
 
 
@@ -39,16 +44,19 @@ class FeatureExtractorService(Service):
 
     def __init__(self, config: FlashMoEConfig, events: list[str], publish: str,
                  control_endpoint: str, warmup: str | None = None,
-                 cluster_shape: ModelShape | None = None) -> None:
+                 cluster_shape: ModelShape | None = None,
+                 checkpoint_dir: str | None = None) -> None:
         super().__init__(config, control_endpoint)
         manifest = ExpertStore.open(config.store.path).manifest
         self.layers = len(manifest.moe_layers)
-        self.core = ExtractorCore(self.layers, manifest.num_experts, manifest.top_k,
-                                  config.features.pca_components)
-        if warmup:
-            meta = load_checkpoint(self.core, warmup)
-            self.log.info("tables from the warm-up checkpoint %s (%d tokens)", warmup,
-                          meta["tokens"])
+        self.shape = (self.layers, manifest.num_experts, manifest.top_k,
+                      config.features.pca_components)
+        self.core = ExtractorCore(*self.shape)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.resumed_from, _ = resume((self.checkpoint_dir, warmup), "extractor.json",
+                                      self._load, self.log)
+        self.saved_tokens = self.core.features.t  # what the checkpoint folder already holds
+        self.last_checkpoint = time.monotonic()
         self.cluster: ClusterAgent | None = None
         self.warm_start: dict | None = None
         if config.cluster.redis_url:
@@ -60,8 +68,32 @@ class FeatureExtractorService(Service):
         self.epoch = time.time_ns()
         self.seq = 0
         self.cpu_s = 0.0
-        self.counters.update(events=0, batches=0, n_gap=0, n_out_of_order=0,
+        self.counters.update(events=0, batches=0, checkpoints=0, n_gap=0, n_out_of_order=0,
                              rejected_unexpected=0)
+
+    def _load(self, folder: str) -> dict:
+        """Tables from ``folder`` into a fresh core, kept only when they fit."""
+        core = ExtractorCore(*self.shape)
+        meta = load_checkpoint(core, folder)
+        self.core = core
+        return meta
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.core, self.checkpoint_dir)
+        self.saved_tokens = self.core.features.t
+        self.last_checkpoint = time.monotonic()
+        self.counters["checkpoints"] += 1
+
+    def on_tick(self, now: float) -> None:
+        if self.checkpoint_dir is not None and self.core.features.t != self.saved_tokens and \
+                now - self.last_checkpoint >= self.config.predictor.checkpoint_every_s:
+            self.checkpoint()
+
+    def on_exit(self, error: Exception | None) -> None:
+        if error is None and self.checkpoint_dir is not None and \
+                self.core.features.t != self.saved_tokens:
+            with self.lock:
+                self.checkpoint()
 
     def _join_cluster(self, manifest, shape: ModelShape | None) -> None:
         """Warm start from the peers whose values have this device's ``shape`` (bounded by
@@ -124,7 +156,8 @@ class FeatureExtractorService(Service):
 
     def stats(self) -> dict:
         events = max(self.counters["events"], 1)
-        return {**super().stats(), "variance_kept": float(self.core.pca.variance_kept),
+        return {**super().stats(), "resumed_from": self.resumed_from,
+                "variance_kept": float(self.core.pca.variance_kept),
                 "cpu_ms_per_event": round(1e3 * self.cpu_s / events, 3),
                 "tokens_seen": self.core.features.t,
                 **(cluster_stats(self.cluster.link, self.warm_start)
@@ -133,11 +166,12 @@ class FeatureExtractorService(Service):
 
 def run_feature_extractor_process(config: FlashMoEConfig, events: list[str], publish: str,
                                   control_endpoint: str, warmup: str | None = None,
-                                  cluster_shape: ModelShape | None = None) -> int:
+                                  cluster_shape: ModelShape | None = None,
+                                  checkpoint_dir: str | None = None) -> int:
     """``cluster_shape``: what the peers' shared values must look like (needed with
     ``cluster.redis_url``)."""
     prepare_learning_path()  # see common/threads.py
     return run_service_process(lambda: FeatureExtractorService(config, events, publish,
                                                                control_endpoint, warmup,
-                                                               cluster_shape),
+                                                               cluster_shape, checkpoint_dir),
                                FeatureExtractorService.name)

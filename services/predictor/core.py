@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from common.checkpoints import replace_durably, write_text_durably
 from common.config import PredictorConfig
 
 from . import fast_infer
@@ -296,13 +297,11 @@ class Learner:
             tensors.update({f"fisher.{n}": f.contiguous() for n, f in zip(names, self.fisher)})
         tmp = folder / "predictor.safetensors.tmp"
         save_file(tensors, str(tmp))
-        tmp.replace(folder / "predictor.safetensors")
+        replace_durably(tmp, folder / "predictor.safetensors")  # a kill leaves the last whole one
         meta = {"params": checkpoint_params(self.config), "L": self.L, "E": self.E,
                 "dims": self.dims, "features": self.features, "tokens": self.t, "steps": self.steps,
                 "drifts": len(self.drifts), **(extra or {})}
-        tmp = folder / "predictor.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        tmp.replace(folder / "predictor.json")  # a kill mid-write leaves the last whole one
+        write_text_durably(folder / "predictor.json", json.dumps(meta, indent=1))
 
     def load(self, folder: str | Path) -> dict:
         """Weights from a checkpoint of the same shape; returns its JSON."""

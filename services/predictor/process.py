@@ -19,6 +19,7 @@ import numpy as np
 import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
+from common.checkpoints import resume
 from common.cluster import (
     ClusterAgent,
     ModelShape,
@@ -106,17 +107,11 @@ class PredictorService(Service):
         self.publisher.close()
 
     def _make_learner(self, dims: int, features: int) -> Learner:
+        """A learner resumed from the first of its checkpoint, the cluster's and the warm-up
+        that fits (common/checkpoints.py), else cold."""
         learner = Learner(self.layers, self.experts, dims, features, self.config.predictor)
-        for source in (self.checkpoint_dir, self.cluster_checkpoint, self.warmup):
-            if source and (Path(source) / "predictor.json").is_file():
-                try:
-                    meta = learner.load(source)
-                except (ValueError, KeyError, OSError) as exc:
-                    self.log.warning("not resuming from %s: %s", source, exc)
-                    continue
-                self.resumed_from = str(source)
-                self.log.info("resumed from %s (%d training steps)", source, meta["steps"])
-                break
+        self.resumed_from, _ = resume((self.checkpoint_dir, self.cluster_checkpoint,
+                                       self.warmup), "predictor.json", learner.load, self.log)
         return learner
 
     def on_readable(self, sock: zmq.Socket) -> None:

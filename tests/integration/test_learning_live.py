@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from common.bus import Publisher, ServiceUnavailable, stats
+from common.bus import Publisher, stats
 from common.config import load_config
 from common.protocol import SCHEMA_VERSION, AccessEvent, encode
 from common.traces import load_gptoss20b, save_trace
@@ -19,6 +19,7 @@ from flashmoe.runtime.launch import Launcher, child_env, cli_command
 from flashmoe.sim.learning import LearningPath, Learning
 from flashmoe.sim.replay import replay_core
 from flashmoe.tools.synth_store import synth_store
+from tests.support.services import wait_for
 from tests.support.traces import sequences_slice
 
 pytestmark = pytest.mark.traces
@@ -72,20 +73,6 @@ def run_worker(launcher, setup, events, tokens=None, token_ms=TOKEN_MS, wait=Tru
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     return json.loads(out.read_text())
-
-
-def wait_for(endpoint, condition, timeout_s=60.0, what=""):
-    deadline = time.monotonic() + timeout_s
-    current = None
-    while True:
-        try:
-            current = stats(endpoint)
-        except ServiceUnavailable:  # busy (a slow machine): ask again until the deadline
-            current = None
-        if current is not None and condition(current):
-            return current
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {current}"
-        time.sleep(0.1)
 
 
 def test_no_event_lost_and_the_live_hit_rate_is_the_simulators(setup, tmp_path):

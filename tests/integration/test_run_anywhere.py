@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.run_output import summary_of
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,7 +40,6 @@ def test_the_main_job_runs_from_a_copy_with_no_shared_traces(tmp_path):
     assert done.returncode == 0, out[-3000:]
     assert "replaying gptoss20b-sample:eval" in out and "the sample committed" in out, out
     assert "tokens of gptoss20b-sample:train" in out  # the warm-up came from the sample too
-    summary = dict(line.split(None, 1) for line in done.stdout.splitlines()
-                   if line and not line.startswith("[") and len(line.split(None, 1)) == 2)
+    summary = summary_of(done.stdout)
     assert float(summary["tokens"]) >= 19 and 0.0 < float(summary["hit_rate"]) <= 1.0, summary
     assert (project / ".flashmoe" / "run" / "warmup").exists()

@@ -37,3 +37,9 @@ class RunOutput:
             if match:
                 return float(match.group(1))
         return 0.0
+
+
+def summary_of(stdout: str) -> dict[str, str]:
+    """The summary `flashmoe run` prints at its end (``key  value`` lines), as text."""
+    return dict(line.split(None, 1) for line in stdout.splitlines()
+                if line and not line.startswith("[") and len(line.split(None, 1)) == 2)

@@ -96,6 +96,36 @@ def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
     assert not warmup_fits(tmp_path, fewer)
 
 
+def test_an_extractor_checkpoints_arrays_and_meta_come_from_one_save(tmp_path):
+    import json
+
+    from services.feature_extractor.core import ExtractorCore, load_checkpoint, save_checkpoint
+
+    rng = np.random.default_rng(5)
+    core = ExtractorCore(L, E, K, 8)
+
+    def feed(tokens):
+        for position in range(tokens):
+            core.on_event(0, core.features.t, f"t{position % 5}", f"t{(position + 1) % 5}",
+                          np.stack([rng.choice(E, K, replace=False) for _ in range(L)]), [])
+
+    feed(10)
+    save_checkpoint(core, tmp_path)
+    first_json = (tmp_path / "extractor.json").read_text()
+    feed(10)
+    save_checkpoint(core, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extractor.json",
+                                                          "extractor.safetensors"]
+    (tmp_path / "extractor.json").write_text(first_json)  # a save cut between its two files
+    resumed = ExtractorCore(L, E, K, 8)
+    assert load_checkpoint(resumed, tmp_path)["tokens"] == 20 == resumed.features.t
+    np.testing.assert_array_equal(resumed.features.token_uses[:len(resumed.features.token_row)],
+                                  core.features.token_uses[:len(core.features.token_row)])
+    with pytest.raises(ValueError, match=f"{L} layers x {E} experts .* does not fit 2 x {E}"):
+        load_checkpoint(ExtractorCore(2, E, K, 8), tmp_path)
+    assert json.loads(first_json)["tokens"] == 10
+
+
 def test_the_estimate_is_the_harmonic_mean_distance_in_its_five_variants():
     rng = np.random.default_rng(4)
     P = rng.random((HEADS, BUCKETS, 9)).astype(np.float32)
