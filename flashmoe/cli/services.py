@@ -100,34 +100,52 @@ def cmd_serve_worker(args) -> int:
 def cmd_generate(args) -> int:
     import tempfile
 
+    from common.store import StoreError
     from flashmoe.runtime.launch import Launcher
+    from flashmoe.runtime.serve import check_store, learned_state_dir, learning_specs
     from services.inference_worker.generate import generate
 
-    settings = config(args, args.store)
+    settings = config(args, args.store, first=["cache.policy=flashmoe"])
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    try:
+        opened = check_store(args.store)
+    except StoreError as exc:
+        print(f"flashmoe generate: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="flashmoe-generate-") as runtime:
-        launcher = None if args.cache else Launcher(settings, Path(runtime))
+        launcher, events, endpoint = None, args.events, args.cache
+        if not args.cache:  # the cache manager and the learning path, as `serve` runs them
+            launcher = Launcher(settings, Path(runtime))
+            events = f"ipc://{runtime}/worker.events.sock"
+            state = learned_state_dir(Path(args.home), opened)
+            state.mkdir(parents=True, exist_ok=True)
         try:
-            endpoint = args.cache or launcher.start("cache", ["serve-cache", args.store]).endpoint
+            if launcher is not None:
+                for spec in learning_specs(args.store, state, events, args.warmup,
+                                           launcher.endpoint):
+                    launcher.start(spec.name, spec.command)
+                endpoint = launcher.endpoint("cache_manager")
             result = generate(args.store, args.prompt, args.max_new_tokens, endpoint,
                               settings if launcher or args.config or args.set or args.profile
-                              else None, events=args.events, on_token=show)
+                              else None, events=events, on_token=show)
         finally:
             if launcher is not None:
                 launcher.stop_all()
+    print()
     s, steps = result["stats"], result["decode_steps"]
-    print(f"\n--\n{len(result['prompt_ids'])} prompt tokens, {len(result['token_ids'])} new "
-          f"tokens; prefill {result['prefill_s'] * 1000:.0f} ms, decode "
-          f"{result['decode_s'] * 1000 / max(steps, 1):.1f} ms/token", file=sys.stderr)
+    print(f"--\n{len(result['prompt_ids'])} prompt tokens, {len(result['token_ids'])} new "
+          f"tokens ({result['finish_reason']}); prefill {result['prefill_s'] * 1000:.0f} ms, "
+          f"decode {result['decode_s'] * 1000 / max(steps, 1):.1f} ms/token", file=sys.stderr)
     n = s["n_hit"] + s["n_miss"]
     print(f"cache: {s['policy']}, {s['n_slots']} slots, hit rate {s['n_hit'] / max(n, 1):.3f} "
           f"({s['n_hit']} hits, {s['n_miss']} misses, {s['n_evict']} evictions), "
           f"{s['n_byte_read'] / 2**20:.1f} MiB read, prefetch {s['prefetch_used']}/"
-          f"{s['prefetch_issued']} used, engine {s['engine']}", file=sys.stderr)
+          f"{s['prefetch_issued']} used, engine {s['engine']}, estimate "
+          f"{s.get('estimate', 'none')}", file=sys.stderr)
     if args.json:
         write_json(result, args.json)
     return 0
@@ -241,8 +259,12 @@ def register(sub) -> None:
     p.add_argument("--store", required=True)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--cache", help="a running cache manager's endpoint (default: start one for "
-                                   "this run)")
+    p.add_argument("--cache", help="a running cache manager's endpoint (default: start one, "
+                                   "with the extractor and predictor, for this run)")
+    p.add_argument("--home", default=".flashmoe/serve",
+                   help="where each store's learned state is kept (as `serve`)")
+    add_warmup(p, help="a warm-up checkpoint of this model (default: the state under --home, "
+                       "else cold)")
     _add_events(p)
     add_json(p, help="write token ids, text and the cache stats")
     add_config_flags(p)

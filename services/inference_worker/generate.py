@@ -1,12 +1,12 @@
-"""Text generation through the expert cache: the worker's model-driven form.
+"""Text generation through the expert cache, in-process: the worker's model-driven form.
 
-``generate`` tokenizes a prompt with the store's tokenizer, prefills it and decodes greedily
-with a KV cache through ``ModelRunner``, whose experts come from a live cache manager's arena
-(``arena_fetch``: one AcquireReq per MoE layer, the previous layer released in it, the step's
-input token as the prefetcher's context). Each new token's text goes to ``on_token`` as soon
-as it is known; with ``events`` the worker publishes one AccessEvent per decode step (every
-MoE layer's top-k and routing weights, the input token and the token it produced). At the end
-it releases its pins and returns the token ids with the cache manager's statistics.
+``generate`` runs one prompt through the serving engine (``engine.py``, the same tokenization,
+arithmetic and events as `flashmoe serve`), without HTTP: its experts come from a live cache
+manager's arena (``arena_fetch``: one AcquireReq per MoE layer, the previous layer released in
+it, the step's input token as the prefetcher's context). Each new token's text goes to
+``on_token`` as soon as it is known; with ``events`` it publishes one AccessEvent per prompt
+position (marked prefill) and per decode step. At the end it releases its pins and returns the
+token ids with the cache manager's statistics.
 """
 
 from __future__ import annotations

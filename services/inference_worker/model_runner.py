@@ -11,9 +11,12 @@ zero-copy views. Running transformers' own eager code (``experts_implementation=
 with each expert's parameter slice bit-identical to the in-RAM model's, is what makes the
 logits bit-identical to that model's.
 
-A forward over many positions (the prompt's prefill) may route to more experts than the cache
-holds; it then fetches them in ascending expert order (the order the eager loop visits them)
-in requests of at most ``prefill_request_experts``, each replacing the layer's previous pins.
+Forward passes run in a ``StepGroup``: one forward alone (``prefill``/``decode``, or the serving
+engine's single sequence), or several sequences' forwards in threads that meet at every MoE
+layer so that the union of their experts is fetched once (the serving engine's batch). A
+forward over many positions (a prompt's prefill) may route to more experts than the cache
+holds; the union is then fetched in ascending expert order (the order the eager loop visits
+them) in requests of at most ``max_request`` experts, each replacing the layer's previous pins.
 
 No sockets here: ``fetch(layer, experts, release_layers, token)`` returns each expert's
 in-memory parameter slices (``generate.arena_fetch`` makes one from a ``CacheClient``).

@@ -24,6 +24,7 @@ import torch
 from common.model_families import FAMILIES
 from flashmoe.runtime.launch import child_env, cli_command
 from flashmoe.tools.convert import convert_checkpoint
+from flashmoe.tools.tiny_models import build_tiny_model
 from services.inference_worker.model_runner import WEIGHT_ALIGN
 from tests.support.serving import Server
 from tests.support.stores import TEST_BLOCK_SIZE, TEST_PARALLELISM
@@ -35,14 +36,23 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def stores(tiny_checkpoints, tmp_path_factory):
+def checkpoints(tiny_checkpoints, tmp_path_factory):
+    """The session's tiny checkpoints, and GPT-OSS's (not among them) made here."""
+    root = tmp_path_factory.mktemp("serve-checkpoints")
+    return {**{f: build_tiny_model(f, root / f, layers=2, experts=8, top_k=2, hidden=64,
+                                   expert_intermediate=48)
+               for f in FAMILIES if f not in tiny_checkpoints}, **tiny_checkpoints}
+
+
+@pytest.fixture(scope="module")
+def stores(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-stores")
     made = {}
 
     def get(family: str):
         if family not in made:
             made[family] = root / family
-            convert_checkpoint(tiny_checkpoints[family], made[family],
+            convert_checkpoint(checkpoints[family], made[family],
                                block_size=TEST_BLOCK_SIZE, parallelism=TEST_PARALLELISM,
                                show_progress=False)
         return made[family]
@@ -137,7 +147,7 @@ def test_completions_chat_streaming_and_models(server):
     assert "".join(pieces) == chat.choices[0].message.content
 
 
-def test_same_text_as_generate_and_transformers(server, stores, tiny_checkpoints, tmp_path):
+def test_same_text_as_generate_and_transformers(server, stores, checkpoints, tmp_path):
     c = client(server)
     reply = c.completions.create(model="qwen3_moe", prompt=PROMPT, max_tokens=16,
                                  temperature=0)
@@ -145,7 +155,7 @@ def test_same_text_as_generate_and_transformers(server, stores, tiny_checkpoints
     assert text == reply.choices[0].text.strip() and result["text"] == reply.choices[0].text
     assert reply.usage.completion_tokens == len(result["token_ids"])
     assert reply.usage.prompt_tokens == len(result["prompt_ids"])
-    check_against_transformers(tiny_checkpoints["qwen3_moe"], result, "qwen3_moe")
+    check_against_transformers(checkpoints["qwen3_moe"], result, "qwen3_moe")
 
 
 def test_sampling_seed_and_stop_strings(server):
@@ -261,8 +271,8 @@ def test_learned_policy_is_live(server):
         assert name in metrics
 
 
-def test_a_checkpoint_folder_is_refused_with_the_convert_command(tiny_checkpoints, tmp_path):
-    out = subprocess.run(cli_command("serve", str(tiny_checkpoints["qwen3_moe"]), "--home",
+def test_a_checkpoint_folder_is_refused_with_the_convert_command(checkpoints, tmp_path):
+    out = subprocess.run(cli_command("serve", str(checkpoints["qwen3_moe"]), "--home",
                                      str(tmp_path)), env=child_env(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "flashmoe convert" in out.stderr
@@ -286,7 +296,7 @@ def test_full_queue_gives_503(stores, tmp_path):
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
-def test_other_families(family, stores, tiny_checkpoints, tmp_path):
+def test_other_families(family, stores, checkpoints, tmp_path):
     """Completions (plain and streamed) and chat; the same text as `generate`, whose tokens
     are transformers' eager ones."""
     store = stores(family)
@@ -302,7 +312,7 @@ def test_other_families(family, stores, tiny_checkpoints, tmp_path):
     assert chat.usage.completion_tokens > 0
     _, result = generate_cli(store, PROMPT, 12, tmp_path)
     assert result["text"] == reply.choices[0].text
-    check_against_transformers(tiny_checkpoints[family], result, family)
+    check_against_transformers(checkpoints[family], result, family)
 
 
 def test_sigterm_leaves_nothing_but_the_learned_state(stores, tmp_path):
