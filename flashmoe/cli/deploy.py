@@ -13,8 +13,8 @@ def cmd_deploy(args) -> int:
                   docker_host=args.docker_host)
     try:
         if args.deploy_command == "up":
-            rows = deploy.deploy_up(**common, build=args.build, wait=args.wait,
-                                    timeout_s=args.timeout)
+            rows = deploy.deploy_up(**common, services=args.services, build=args.build,
+                                    wait=args.wait, timeout_s=args.timeout)
         elif args.deploy_command == "status":
             rows = deploy.deploy_status(**common)
         else:
@@ -42,6 +42,9 @@ def register(sub) -> None:
         q.add_argument("--profile", dest="compose_profile", action="append", default=[],
                        help="compose profile(s) to enable, e.g. cluster")
         if name == "up":
+            q.add_argument("services", nargs="*", metavar="SERVICE",
+                           help="only these services and their dependencies (default: all "
+                                "that the profiles enable)")
             q.add_argument("--build", action="store_true", help="build the image first")
             q.add_argument("--wait", action="store_true", help="until every service is healthy")
             q.add_argument("--timeout", type=float, default=300.0)

@@ -13,7 +13,8 @@ restart policies, ports, networks and profiles as ``docker compose up`` would gi
 - Names follow Docker Compose (``<project>-<service>-1``, ``<project>_<volume>``,
   ``<project>_default``); the labels are FlashMoE's own (``io.flashmoe.*``), so Docker Compose
   does not take these containers for its own, nor this package Compose's.
-- ``up`` creates the networks and volumes, builds (only the files the Dockerfile copies are
+- ``up`` (of every service the profiles enable, or of the named ones and what they depend on)
+  creates the networks and volumes, builds (only the files the Dockerfile copies are
   sent) or pulls missing images, then creates and starts containers in dependency order,
   waiting for ``service_healthy`` / ``service_completed_successfully`` conditions. A container
   whose configuration (or image) changed is recreated; an unchanged one is left running.

@@ -20,13 +20,15 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def deploy_up(compose_files: str | os.PathLike | Sequence[str | os.PathLike]
               = DEFAULT_COMPOSE_FILE, project: str | None = None, *,
-              profiles: Sequence[str] = (), client=None, docker_host: str | None = None,
-              build: bool = False, wait: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+              profiles: Sequence[str] = (), services: Sequence[str] = (), client=None,
+              docker_host: str | None = None, build: bool = False, wait: bool = False,
+              timeout_s: float = DEFAULT_TIMEOUT_S,
               log: Callable[[str], None] = log_to_stderr) -> list[ServiceStatus]:
-    """Create what the compose file describes and start it; ``build``: rebuild images that
-    have a build section even when present; ``wait``: also wait until every service is
-    running and, where it has a healthcheck, healthy. Returns the status rows."""
-    model = load_project(compose_files, project, profiles)
+    """Create what the compose file describes and start it (``services``: only these and
+    their dependencies, each named one enabled whatever its profiles); ``build``: rebuild
+    images that have a build section even when present; ``wait``: also wait until every
+    service is running and, where it has a healthcheck, healthy. Returns the status rows."""
+    model = load_project(compose_files, project, profiles, only=services)
     for warning in model.warnings:
         log(f"warning: {warning}")
     deadline = time.monotonic() + timeout_s

@@ -136,9 +136,11 @@ def _as_paths(compose_files: str | os.PathLike | Sequence[str | os.PathLike]) ->
 def load_project(compose_files: str | os.PathLike | Sequence[str | os.PathLike]
                  = DEFAULT_COMPOSE_FILE, project: str | None = None,
                  profiles: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 all_profiles: bool = False) -> Project:
+                 all_profiles: bool = False, only: Sequence[str] = ()) -> Project:
     """Read, interpolate and merge the compose file(s) into the services the profiles
-    enable (``all_profiles``: every service), in dependency order."""
+    enable (``all_profiles``: every service), in dependency order. ``only``: these services
+    and what they depend on, as ``docker compose up SERVICE...`` starts them (a service
+    named here is enabled whatever its profiles; its dependencies must be enabled)."""
     paths = [p.resolve() for p in _as_paths(compose_files)]
     workdir = paths[0].parent
     environ = dict(os.environ if env is None else env)
@@ -168,12 +170,19 @@ def load_project(compose_files: str | os.PathLike | Sequence[str | os.PathLike]
     all_services = merged.get("services") or {}
     if not isinstance(all_services, dict) or not all_services:
         raise DeployError(f"{paths[0]}: no services")
+    unknown = [s for s in only if s not in all_services]
+    if unknown:
+        raise DeployError(f"no such service: {', '.join(unknown)} (the compose file has "
+                          f"{', '.join(all_services)})")
     services = {}
     for svc_name, spec in all_services.items():
         service = _service(svc_name, spec or {}, name, workdir, environ, volumes, networks)
-        if not service.profiles or all_profiles or active & set(service.profiles):
+        if (not service.profiles or all_profiles or active & set(service.profiles)
+                or svc_name in only):
             services[svc_name] = service
     _drop_optional_dependencies(services, all_services)
+    if only:
+        services = {s: services[s] for s in _with_dependencies(services, only)}
     project_model = Project(name, workdir, services, _dependency_order(services), networks,
                             volumes, paths)
     project_model.warnings = [f"the {var} variable is not set: defaulting to a blank string"
@@ -563,6 +572,18 @@ def _drop_optional_dependencies(services: dict[str, Service], declared: dict) ->
             if dep not in services:
                 raise DeployError(f"service {service.name} uses ipc of service {dep}, which "
                                   f"is not enabled")
+
+
+def _with_dependencies(services: dict[str, Service], names: Sequence[str]) -> list[str]:
+    """``names`` and every service they depend on, directly or not, in the file's order."""
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            service = services[name]
+            todo.extend(set(service.depends_on) | service.implicit_dependencies())
+    return [name for name in services if name in wanted]
 
 
 def _dependency_order(services: dict[str, Service]) -> list[str]:

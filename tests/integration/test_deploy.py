@@ -47,19 +47,25 @@ COMMANDS = {
     "cache_manager": ["serve-cache", "/store", "--endpoint", f"{RUN}/cache_manager.sock",
                       "--control-endpoint", f"{RUN}/cache_manager.control.sock",
                       "--predictions", f"{RUN}/predictor.sock", *CONFIG],
-    "feature_extractor": ["serve-features", "/store", "--events", f"{RUN}/worker.events.sock",
-                          "--endpoint", f"{RUN}/feature_extractor.sock", "--control-endpoint",
+    "feature_extractor": ["serve-features", "/store", "--events",
+                          f"{RUN}/serve.events.sock,{RUN}/replay.events.sock", "--endpoint",
+                          f"{RUN}/feature_extractor.sock", "--control-endpoint",
                           f"{RUN}/feature_extractor.control.sock", *CONFIG],
     "predictor": ["serve-predictor", "/store", "--features", f"{RUN}/feature_extractor.sock",
                   "--endpoint", f"{RUN}/predictor.sock", "--control-endpoint",
                   f"{RUN}/predictor.control.sock", "--checkpoint-dir",
                   "/var/lib/flashmoe/predictor", *CONFIG],
-    "worker": ["trace-worker", "--cache", f"{RUN}/cache_manager.sock", "--events",
-               f"{RUN}/worker.events.sock", "--loop", *CONFIG],
+    "serve": ["serve-worker", "/store", "--cache", f"{RUN}/cache_manager.sock", "--events",
+              f"{RUN}/serve.events.sock", "--predictor-control",
+              f"{RUN}/predictor.control.sock", *CONFIG],
     "panel": ["serve-panel", "--runtime-dir", "/run/flashmoe", "--host", "0.0.0.0", "--port",
               "8470"],
 }
+# Profile `replay`: the trace replay of `flashmoe run`, on an events socket of its own.
+REPLAY = ["trace-worker", "--cache", f"{RUN}/cache_manager.sock", "--events",
+          f"{RUN}/replay.events.sock", "--loop", *CONFIG]
 CONTROLLED = ("cache_manager", "feature_extractor", "predictor")
+HEALTH_URL = "http://127.0.0.1:8000/health"
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +148,10 @@ def test_up_creates_network_volumes_and_containers(standin, client):
         assert body["StopTimeout"] == 20
         health = body["Healthcheck"]
         assert (health["Interval"], health["Timeout"], health["Retries"]) == (30e9, 10e9, 3)
-        assert (health["StartPeriod"], health["StartInterval"]) == (120e9, 2e9)
+        # Loading a model takes longer than a service's start.
+        assert health["StartPeriod"] == (600e9 if service == "serve" else 120e9)
+        # start_interval needs Docker Engine 25 (API 1.44): not in the default file.
+        assert "StartInterval" not in health
         if service in CONTROLLED:
             assert health["Test"] == ["CMD", "flashmoe", "health",
                                       f"{RUN}/{service}.control.sock"]
@@ -151,9 +160,9 @@ def test_up_creates_network_volumes_and_containers(standin, client):
                                         "Target": "/store", "ReadOnly": True}
             assert mounts["/etc/flashmoe/flashmoe.toml"]["Source"] == "/dev/null"
 
-    cache, worker = bodies["cache_manager"]["HostConfig"], bodies["worker"]["HostConfig"]
+    cache, serve = bodies["cache_manager"]["HostConfig"], bodies["serve"]["HostConfig"]
     assert cache["IpcMode"] == "shareable" and cache["ShmSize"] == 8 * 2**30
-    assert worker["IpcMode"] == "container:flashmoe-cache_manager-1"
+    assert serve["IpcMode"] == "container:flashmoe-cache_manager-1"
     assert all("IpcMode" not in bodies[s]["HostConfig"]
                for s in ("feature_extractor", "predictor", "panel"))
     assert cache["Ulimits"] == [{"Name": "memlock", "Soft": -1, "Hard": -1}]
@@ -161,19 +170,28 @@ def test_up_creates_network_volumes_and_containers(standin, client):
     assert json.loads(seccomp[len("seccomp="):]) == json.loads(SECCOMP.read_text())
     assert not any(o.startswith("seccomp=") for s in bodies if s != "cache_manager"
                    for o in bodies[s]["HostConfig"]["SecurityOpt"])
-    assert {m["Target"]: m["Source"] for m in worker["Mounts"]}[
-        "/opt/flashmoe/shared/traces"] == str((ROOT / ".." / "shared" / "traces").resolve())
+    # The API worker reads the store (read-only, checked above) and no trace.
+    assert {m["Target"] for m in serve["Mounts"]} \
+        == {"/store", "/run/flashmoe", "/etc/flashmoe/flashmoe.toml"}
     predictor_mounts = {m["Target"]: m for m in bodies["predictor"]["HostConfig"]["Mounts"]}
     assert predictor_mounts["/var/lib/flashmoe/predictor"]["Source"] \
         == "flashmoe_predictor-checkpoints"
-    assert "python" in bodies["worker"]["Healthcheck"]["Test"]
+    # The API: every address in the container, published on the host's loopback only.
+    assert {"FLASHMOE_SERVE__HOST=0.0.0.0", "FLASHMOE_SERVE__PORT=8000"} \
+        <= set(bodies["serve"]["Env"])
+    assert not any(e.startswith("FLASHMOE_SERVE__") for s in bodies if s != "serve"
+                   for e in bodies[s]["Env"])
+    assert serve["PortBindings"] == {"8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": "8000"}]}
+    assert bodies["serve"]["ExposedPorts"] == {"8000/tcp": {}}
+    test = bodies["serve"]["Healthcheck"]["Test"]
+    assert test[:3] == ["CMD", "python", "-c"] and HEALTH_URL in test[3]
     panel = bodies["panel"]
     assert panel["HostConfig"]["PortBindings"] == {"8470/tcp": [{"HostIp": "127.0.0.1",
                                                                  "HostPort": "8470"}]}
     assert panel["ExposedPorts"] == {"8470/tcp": {}}
 
     assert [r.service for r in rows] == ["cache_manager", "feature_extractor", "predictor",
-                                         "worker", "panel"]
+                                         "serve", "panel"]
     assert all(r.state == "running" for r in rows)
 
 
@@ -198,14 +216,15 @@ def test_up_starts_in_dependency_order_and_waits_for_health(standin, client):
     up(client)
     order = [r.body["Labels"][LABEL_SERVICE]
              for r in standin.requests_to("POST", "/containers/create")]
-    assert order.index("cache_manager") < order.index("worker")
+    assert order.index("cache_manager") < order.index("serve")
     assert order.index("feature_extractor") < order.index("predictor")
     assert order[-1] == "panel"
+    assert order.index("predictor") < order.index("serve")
     # The worker (depends_on: service_healthy) was created only after both of its
     # dependencies had been seen healthy.
     worker_at = next(i for i, r in enumerate(standin.requests)
                      if r.template == "/containers/create" and r.body["Labels"][LABEL_SERVICE]
-                     == "worker")
+                     == "serve")
     seen_healthy = {r.response["Name"].lstrip("/") for r in standin.requests[:worker_at]
                     if r.template == "/containers/{id}/json"
                     and (r.response["State"].get("Health") or {}).get("Status") == "healthy"}
@@ -216,7 +235,7 @@ def test_up_fails_when_a_dependency_is_unhealthy(standin, client):
     standin.engine.unhealthy = {"flashmoe-cache_manager-1"}
     with pytest.raises(DeployError, match="cache_manager.*unhealthy"):
         up(client)
-    assert "worker" not in creates(standin)
+    assert "serve" not in creates(standin)
 
 
 def test_up_again_keeps_what_is_unchanged_and_recreates_what_changed(standin, client,
@@ -239,7 +258,7 @@ def test_up_again_keeps_what_is_unchanged_and_recreates_what_changed(standin, cl
         == 4 * 2**30
     restarted = {r.path.split("/")[2] for r in
                  standin.requests_to("POST", "/containers/{id}/restart")}
-    assert restarted == {now["/flashmoe-worker-1"]}
+    assert restarted == {now["/flashmoe-serve-1"]}
 
 
 def test_cluster_profile_adds_redis_and_the_redis_flag(standin, client):
@@ -254,8 +273,58 @@ def test_cluster_profile_adds_redis_and_the_redis_flag(standin, client):
     for service, command in COMMANDS.items():
         assert bodies[service]["Cmd"] == [*command, "--redis", "redis://redis:6379"]
     assert "flashmoe_redis-data" in standin.engine.volumes
+    replay = load_project([COMPOSE, CLUSTER], profiles=["cluster", "replay"]).services["replay"]
+    assert replay.command == [*REPLAY, "--redis", "redis://redis:6379"]
+    assert replay.profiles == ["replay"]
     with pytest.raises(DeployError, match="depends on redis"):
         load_project([COMPOSE, CLUSTER])  # the override without the profile
+
+
+def test_api_port_and_store_come_from_the_environment(standin, client, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHMOE_API_PORT", "18000")
+    monkeypatch.setenv("FLASHMOE_STORE", str(tmp_path))
+    up(client)
+    bodies = creates(standin)
+    # Another host port, still on loopback; in the container the API keeps port 8000.
+    assert bodies["serve"]["HostConfig"]["PortBindings"] \
+        == {"8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": "18000"}]}
+    for service in ("cache_manager", "feature_extractor", "predictor", "serve"):
+        mounts = {m["Target"]: m for m in bodies[service]["HostConfig"]["Mounts"]}
+        assert mounts["/store"] == {"Type": "bind", "Source": str(tmp_path), "Target": "/store",
+                                    "ReadOnly": True}, service
+
+
+def test_replay_profile_adds_the_trace_replay(standin, client):
+    up(client, profiles=["replay"])
+    bodies = creates(standin)
+    assert set(bodies) == {*COMMANDS, "replay"}
+    replay = bodies["replay"]
+    assert replay["Cmd"] == REPLAY
+    host = replay["HostConfig"]
+    assert host["IpcMode"] == "container:flashmoe-cache_manager-1"
+    assert "PortBindings" not in host
+    mounts = {m["Target"]: m for m in host["Mounts"]}
+    assert mounts["/store"]["ReadOnly"] and mounts["/opt/flashmoe/shared/traces"]["ReadOnly"]
+    assert mounts["/opt/flashmoe/shared/traces"]["Source"] \
+        == str((ROOT / ".." / "shared" / "traces").resolve())
+    assert "python" in replay["Healthcheck"]["Test"]
+    # Each worker binds its own events socket; the feature extractor reads both.
+    events = {s: bodies[s]["Cmd"][bodies[s]["Cmd"].index("--events") + 1]
+              for s in ("serve", "replay", "feature_extractor")}
+    assert events["serve"] != events["replay"]
+    assert events["feature_extractor"].split(",") == [events["serve"], events["replay"]]
+    assert not standin.refused
+
+
+def test_up_of_named_services_starts_them_and_their_dependencies(standin, client):
+    # The replay without the API worker: naming a service enables its profile.
+    rows, _ = up(client, services=["replay", "panel"])
+    assert set(creates(standin)) == {"cache_manager", "feature_extractor", "predictor",
+                                     "replay", "panel"}
+    assert [r.service for r in rows] == ["cache_manager", "feature_extractor", "predictor",
+                                         "replay", "panel"]
+    with pytest.raises(DeployError, match="no such service: api"):
+        up(client, services=["api"])
 
 
 # --- status and down -------------------------------------------------------------------------
@@ -264,13 +333,13 @@ def test_status_reports_each_service(standin, client):
     rows = deploy_status(COMPOSE, client=client)
     assert [(r.service, r.state) for r in rows] == [(s, "missing") for s in
                                                     ("cache_manager", "feature_extractor",
-                                                     "predictor", "worker", "panel")]
+                                                     "predictor", "serve", "panel")]
     up(client)
     client.containers.get("flashmoe-panel-1").stop()
     rows = {r.service: r for r in deploy_status(COMPOSE, client=client)}
     assert rows["panel"].state == "exited" and rows["panel"].exit_code == 0
     assert (rows["cache_manager"].state, rows["cache_manager"].health) == ("running", "healthy")
-    assert rows["worker"].container == "flashmoe-worker-1"
+    assert rows["serve"].container == "flashmoe-serve-1"
     table = format_status(list(rows.values()))
     assert table.splitlines()[0].split() == ["SERVICE", "CONTAINER", "STATE", "HEALTH", "IMAGE"]
     assert "exited (0)" in table
@@ -283,7 +352,7 @@ def test_down_removes_containers_and_network_and_keeps_volumes(standin, client):
     assert not engine.containers and not engine.networks
     assert set(engine.volumes) == {"flashmoe_flashmoe-run", "flashmoe_predictor-checkpoints"}
     # Dependents first: the panel and the worker go before the cache manager.
-    assert removed.index("container flashmoe-worker-1") \
+    assert removed.index("container flashmoe-serve-1") \
         < removed.index("container flashmoe-cache_manager-1")
     deploy_down(COMPOSE, client=client, volumes=True, log=lambda line: None)
     assert not engine.volumes
@@ -349,14 +418,14 @@ def test_standin_enforces_the_engines_own_rules(standin, client):
     up(client)
     api = client.api
     base = f"{api.base_url}/v{api.api_version}"
-    assert api.delete(f"{base}/containers/flashmoe-worker-1").status_code == 409  # running
+    assert api.delete(f"{base}/containers/flashmoe-serve-1").status_code == 409  # running
     assert api.delete(f"{base}/networks/flashmoe_default").status_code == 403  # in use
     assert api.delete(f"{base}/volumes/flashmoe_flashmoe-run").status_code == 409
     assert _post(client, "/containers/create", {"Image": "no-such-image"}).status_code == 404
     # The worker cannot join the IPC namespace of a stopped cache manager.
-    client.containers.get("flashmoe-worker-1").stop()
+    client.containers.get("flashmoe-serve-1").stop()
     client.containers.get("flashmoe-cache_manager-1").stop()
-    response = _post(client, "/containers/flashmoe-worker-1/start", None)
+    response = _post(client, "/containers/flashmoe-serve-1/start", None)
     assert response.status_code == 409 and "non running" in response.json()["message"]
 
 
@@ -448,7 +517,7 @@ def _check_compose(*args: str) -> subprocess.CompletedProcess:
 def test_compose_files_validate_with_docker_compose():
     result = _check_compose()
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("check-compose: ok:") == 3
+    assert result.stdout.count("check-compose: ok:") == 5
 
 
 def test_check_compose_fails_on_an_invalid_file(tmp_path):
