@@ -17,6 +17,7 @@ status ``EXIT_ENGINE_FAILED`` so that a supervisor restarts the process.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 
@@ -399,7 +400,7 @@ class CacheManager(Service):
                 "prediction_gaps": self.prediction_gaps.counters["n_gap"],
                 "prefetcher_hints": prefetcher.stats["hints"] if prefetcher else 0,
                 "policy_params": self.core.policy_params_json(),
-                "workers": len(self.workers), "state": self.state.value,
+                "workers": len(self.workers), "state": self.state.value, "pid": os.getpid(),
                 "read_p50_us": percentile_us(lat, 50), "read_p99_us": percentile_us(lat, 99)}
 
 

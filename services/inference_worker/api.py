@@ -257,9 +257,9 @@ def make_app(state: ServingState) -> FastAPI:
                             break
                         else:
                             done = True
-                            yield _sse({"error": {"message": f"generation failed: {payload}",
-                                                  "type": "server_error", "param": None,
-                                                  "code": None}})
+                            error = failure(payload)
+                            yield _sse({"error": {"message": str(error), "type": error.type,
+                                                  "param": None, "code": error.code}})
                             break
                     yield "data: [DONE]\n\n"
                 finally:
@@ -284,7 +284,7 @@ def make_app(state: ServingState) -> FastAPI:
                 elif kind == "done":
                     break
                 else:
-                    raise APIError(500, f"generation failed: {payload}", type_="server_error")
+                    raise failure(payload)
         except asyncio.CancelledError:
             job.cancel()
             raise
@@ -303,6 +303,17 @@ def make_app(state: ServingState) -> FastAPI:
         return Response(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def failure(error: BaseException) -> APIError:
+    """A generation that failed: 503 when the cache manager went away (it is restarted and
+    the next request reconnects), else 500."""
+    from common.cache_client import CacheManagerUnavailable
+
+    if isinstance(error, CacheManagerUnavailable):
+        return APIError(503, f"the expert cache restarted during this request: {error}; "
+                             f"try again", type_="server_error", code="cache_restarted")
+    return APIError(500, f"generation failed: {error!r}", type_="server_error")
 
 
 def _sse(doc: dict) -> str:

@@ -21,7 +21,7 @@ import socket
 import threading
 from pathlib import Path
 
-from common.bus import ServiceUnavailable, control_endpoint_for
+from common.bus import control_endpoint_for
 from common.bus import stats as control_stats
 from common.cache_client import CacheClient, CacheManagerUnavailable
 from common.config import FlashMoEConfig
@@ -57,52 +57,67 @@ def model_name(config: FlashMoEConfig, store: str | Path) -> str:
 
 
 class Connection:
-    """The worker's link to the cache manager, made again after the manager restarted."""
+    """The worker's link to the cache manager. A manager that went away (restarted by its
+    supervisor) fails the request in progress; the next one connects again."""
 
-    def __init__(self, endpoint: str, config: FlashMoEConfig, runner: ModelRunner | None = None
-                 ) -> None:
+    def __init__(self, endpoint: str, config: FlashMoEConfig) -> None:
         self.endpoint, self.config = endpoint, config
-        self.client = CacheClient(endpoint, config, name="serve")
-        self.runner = runner
+        self.client: CacheClient | None = None
+        self.runner: ModelRunner | None = None
+        self.connect()
 
-    def fetch(self, layer, experts, release_layers, token):
-        try:
-            return self._fetch(layer, experts, release_layers, token)
-        except CacheManagerUnavailable:
-            self.reconnect()
-            raise
+    def connect(self) -> CacheClient:
+        if self.client is None:
+            self.client = CacheClient(self.endpoint, self.config, name="serve")
+            self._fetch = arena_fetch(self.client)
+            if self.runner is not None:
+                self.runner._last_layer = None  # the new manager holds no pins of ours
+        return self.client
 
-    def reconnect(self) -> None:
-        old, self.client = self.client, None
-        old.close()
-        self.client = CacheClient(self.endpoint, self.config, name="serve")
-        self._fetch = arena_fetch(self.client)
-        if self.runner is not None:
-            self.runner._last_layer = None
+    def drop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
 
     def attach(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._fetch = arena_fetch(self.client)
         runner.fetch = self.fetch
 
+    def fetch(self, layer, experts, release_layers, token):
+        self.connect()
+        try:
+            return self._fetch(layer, experts, release_layers, token)
+        except CacheManagerUnavailable:
+            self.drop()
+            raise
+
     def release(self) -> None:
+        if self.client is None:
+            return
         try:
             self.client.release()
         except CacheManagerUnavailable:
-            self.reconnect()
+            self.drop()
 
     def hint(self, layer: int, experts: list[int]) -> None:
+        if self.client is None:
+            return
         try:
             self.client.prefetch(layer, experts)
         except CacheManagerUnavailable:
-            pass  # the next fetch reconnects
+            self.drop()
 
     def set_step(self, step: int) -> None:
-        self.client.step = step
+        if self.client is not None:
+            self.client.step = step
 
     def close(self) -> None:
         if self.client is not None:
-            self.client.close()
+            try:
+                self.client.release()
+            except CacheManagerUnavailable:
+                pass
+        self.drop()
 
 
 def build_engine(config: FlashMoEConfig, store: str | Path, connection: Connection,
@@ -217,10 +232,6 @@ class ServeWorker(Service):
             self.http.join(5)
         self.listening.close()
         if self.connection is not None:
-            try:
-                self.connection.client.release()
-            except (CacheManagerUnavailable, ServiceUnavailable):
-                pass
             self.connection.close()
         if self.publisher is not None:
             self.publisher.close()

@@ -325,3 +325,24 @@ def test_sigterm_leaves_nothing_but_the_learned_state(stores, tmp_path):
     assert not Path(runtime).exists()
     state = list((tmp_path / "home" / "stores").iterdir())
     assert len(state) == 1 and (state[0] / "predictor" / "predictor.json").is_file()
+
+
+def test_a_restarted_cache_manager_costs_one_request(stores, tmp_path):
+    import os
+    import signal
+
+    with Server(stores("qwen3_moe"), tmp_path / "home", "cache.capacity_experts=6") as s:
+        c = client(s)
+        assert complete(c, n=4)
+        os.kill(s.stats()["cache_pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        status, body = _status(lambda: complete(c, n=4))
+        assert status in (200, 503)  # 503 when the request met the dead manager
+        assert status == 200 or body.get("code") == "cache_restarted"
+        deadline = time.monotonic() + 60
+        while True:  # the supervisor restarts it; the worker connects again
+            status, _ = _status(lambda: complete(c, n=4))
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert status == 200
