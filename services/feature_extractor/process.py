@@ -43,12 +43,18 @@ class FeatureExtractorService(Service):
         super().__init__(config, control_endpoint)
         manifest = ExpertStore.open(config.store.path).manifest
         self.layers = len(manifest.moe_layers)
-        self.core = ExtractorCore(self.layers, manifest.num_experts, manifest.top_k,
-                                  config.features.pca_components)
+        shape = (self.layers, manifest.num_experts, manifest.top_k,
+                 config.features.pca_components)
+        self.core = ExtractorCore(*shape)
         if warmup:
-            meta = load_checkpoint(self.core, warmup)
-            self.log.info("tables from the warm-up checkpoint %s (%d tokens)", warmup,
-                          meta["tokens"])
+            try:
+                meta = load_checkpoint(self.core, warmup)
+                self.log.info("tables from the warm-up checkpoint %s (%d tokens)", warmup,
+                              meta["tokens"])
+            except (ValueError, KeyError, OSError) as exc:  # missing, malformed, another shape
+                self.core = ExtractorCore(*shape)  # nothing half-loaded
+                self.log.warning("not starting from the warm-up checkpoint %s: %s; starting "
+                                 "cold", warmup, exc)
         self.cluster: ClusterAgent | None = None
         self.warm_start: dict | None = None
         if config.cluster.redis_url:
