@@ -49,6 +49,7 @@ MODES = ("flashmoe", "lru", "mmap", "ram")
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 COMPUTE_HEADROOM = 4  # experts' worth of float32 temporaries the mmap worker may allocate
+WARMUP_SPLIT = "gptoss20b:train"  # the default warm-up's routing
 
 
 # --- the memory budget ---------------------------------------------------------------------------
@@ -203,10 +204,12 @@ def _learner_cpu(launcher: Launcher) -> dict:
             "learner_cpu_ms_by_stage": stages}
 
 
-def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capacity: int,
-               workdir: Path, budget: float, settings: tuple[str, ...] = ()) -> Run:
-    """flashmoe or lru: the cache manager (+ the learning path for flashmoe) and the worker.
-    ``settings``: further config overrides of the flashmoe mode (``--set``)."""
+def run_system(mode: str, store: str, warmup: str | None, trace: str, tokens: int,
+               capacity: int, workdir: Path, budget: float, settings: tuple[str, ...] = ()
+               ) -> Run:
+    """flashmoe or lru: the cache manager (+ the learning path for flashmoe, from the
+    ``warmup`` checkpoint, or cold without one) and the worker. ``settings``: further config
+    overrides of the flashmoe mode (``--set``)."""
     overrides = [f"store.path={store}", f"cache.capacity_experts={capacity}"]
     if mode == "flashmoe":
         overrides += ["cache.policy=flashmoe", "prefetch.inline=true", *settings]
@@ -220,12 +223,13 @@ def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capa
     events = launcher.endpoint("worker.events")
     try:
         if mode == "flashmoe":
+            start_from = ["--warmup", warmup] if warmup else []
             launcher.start("predictor", ["serve-predictor", store, "--features",
                                          launcher.endpoint("feature_extractor"),
                                          "--checkpoint-dir", str(runtime / "ckpt"),
-                                         "--warmup", warmup])
+                                         *start_from])
             launcher.start("feature_extractor", ["serve-features", store, "--events", events,
-                                                 "--warmup", warmup])
+                                                 *start_from])
             cache = launcher.start("cache_manager", ["serve-cache", store, "--predictions",
                                                      launcher.endpoint("predictor")])
         else:
@@ -252,7 +256,8 @@ def run_system(mode: str, store: str, warmup: str, trace: str, tokens: int, capa
         run.stall_free_rate = round(stats["n_hit"] / max(stats["n_hit"] + stats["n_miss"], 1), 4)
         run.extra = {k: stats.get(k) for k in ("n_hit", "n_miss", "n_hit_loading",
                                                "prefetch_issued", "prefetch_learned",
-                                               "prefetch_used", "prefetch_wasted", "engine")}
+                                               "prefetch_used", "prefetch_wasted",
+                                               "estimates_used", "engine")}
         run.extra.update(learner)
         return run
     finally:
@@ -329,8 +334,11 @@ def summarize(runs: list[Run], tokens: int) -> dict:
 
 
 def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, rounds: int,
-              modes: list[str], warmup: str, trace: str = "gptoss20b:eval", seed: int = 0,
-              shape: str = "gpt-oss-20b", settings: tuple[str, ...] = (), say=print) -> dict:
+              modes: list[str], warmup: str | None, trace: str = "gptoss20b:eval",
+              seed: int = 0, shape: str = "gpt-oss-20b", settings: tuple[str, ...] = (),
+              say=print, warmup_label: str | None = None) -> dict:
+    """``warmup``: the flashmoe mode's checkpoint (None: the learner starts cold);
+    ``warmup_label``: what the report says of it (default: its own summary)."""
     from flashmoe.tools.synth_store import synth_store
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -377,7 +385,7 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
     return {"shape": shape, "scale": scale, "store_bytes": experts_bytes, "experts": n_experts,
             "expert_bytes": store.manifest.max_expert_bytes, "trace": trace, "tokens": tokens,
             "rounds": rounds, "settings": list(settings), "skipped": skipped,
-            "results": results,
+            "warmup": warmup_label or describe_warmup(warmup), "results": results,
             "wall_s": round(time.perf_counter() - started, 1)}
 
 
@@ -397,6 +405,8 @@ def format_table(report: dict) -> str:
                     f"{r['peak_pss_bytes'] / 1e9:>7.2f} {sf:>10} {cpu:>10}")
     for mode, reason in report["skipped"].items():
         rows.append(f"{mode}: skipped ({reason})")
+    if "warmup" in report:
+        rows.append(f"flashmoe's warm-up: {report['warmup']}")
     rows.append(f"store: {report['shape']} shape at scale {report['scale']} "
                 f"({report['store_bytes'] / 1e9:.1f} GB, {report['expert_bytes'] / 1e6:.1f} MB an "
                 f"expert); {report['tokens']} tokens of {report['trace']}, {report['rounds']} "
@@ -449,27 +459,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=200, help="decode steps of the eval split")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode")
     p.add_argument("--modes", type=csv(str), default=["flashmoe", "lru", "mmap", "ram"])
-    add_warmup(p, help="the learned policy's warm-up (default: made from train, once)")
+    add_warmup(p, help="the learned policy's warm-up (default: made once from "
+                       f"{WARMUP_SPLIT}; none, the learner cold, for a --shape of another "
+                       "topology)")
     add_json(p)
     add_plot(p)
     add_set(p, help="a config override for the flashmoe mode (repeatable)")
 
 
+def describe_warmup(folder: str | None) -> str:
+    """A warm-up checkpoint as the report names it: what it was made from, not where it is."""
+    if folder is None:
+        return "none (cold)"
+    try:
+        made = json.loads((Path(folder) / "predictor.json").read_text())["warmup"]
+        return f"{made['trace']}, {made['passes']} pass(es) over {made['tokens']} tokens"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a checkpoint without a warm-up summary"
+
+
+def choose_warmup(args: argparse.Namespace, workdir: Path) -> tuple[str | None, str | None]:
+    """The flashmoe mode's warm-up checkpoint and what the report says of it. --warmup must
+    fit the store's shape (else CheckpointError). The default is made once from
+    ``WARMUP_SPLIT``; where that split routes another topology than ``--shape`` (another
+    model's shape), the learner starts cold, as it would on a model never seen."""
+    from common.config import load_config
+    from common.model_families import SYNTH_SHAPES
+    from flashmoe.errors import CheckpointError
+    from flashmoe.sim.learning import warmup as run_warmup
+    from flashmoe.sim.learning import warmup_fits
+
+    if args.shape not in SYNTH_SHAPES:
+        return args.warmup, None  # synth_store names the choices
+    shape = SYNTH_SHAPES[args.shape]
+    topology = (shape.layers, shape.experts)
+    config = load_config(env={}, overrides=list(args.set))  # as the flashmoe mode runs
+    if args.warmup is not None:
+        if not warmup_fits(args.warmup, config, topology):
+            raise CheckpointError(
+                f"{args.warmup}: not a warm-up checkpoint for this predictor and the "
+                f"{args.shape} shape ({shape.layers} layers x {shape.experts} experts); make one "
+                f"with `flashmoe warmup --trace <a trace of that shape> --out DIR` (--passes 0: "
+                f"a cold one), or leave --warmup out")
+        return args.warmup, None
+    folder = workdir / "warmup"
+    if warmup_fits(folder, config, topology):
+        return str(folder), None
+    split = trace_of(args, WARMUP_SPLIT)
+    if (split.num_layers, split.num_experts) != topology:
+        label = f"none (cold: the default warm-up, {WARMUP_SPLIT}, is of another shape)"
+        print(f"[e2e] the learned policy starts cold: {WARMUP_SPLIT} routes {split.num_layers} "
+              f"layers x {split.num_experts} experts, the {args.shape} shape has "
+              f"{shape.layers} x {shape.experts}")
+        return None, label
+    print("[e2e] warming the learned policy up on the train split (first use only)")
+    run_warmup(split, config, folder)
+    return str(folder), None
+
+
 def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
-    warmup = args.warmup
-    if warmup is None and "flashmoe" in args.modes:
-        from common.config import load_config
-        from flashmoe.sim.learning import warmup as run_warmup
-        from flashmoe.sim.learning import warmup_fits
-
-        warmup = str(workdir / "warmup")
-        config = load_config(env={}, overrides=list(args.set))  # as the flashmoe mode runs
-        if not warmup_fits(warmup, config):
-            print("[e2e] warming the learned policy up on the train split (first use only)")
-            run_warmup(trace_of(args, "gptoss20b:train"), config, warmup)
+    warmup, label = args.warmup, None
+    if "flashmoe" in args.modes:
+        warmup, label = choose_warmup(args, workdir)
     report = e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds, args.modes,
-                       warmup, trace=args.trace, shape=args.shape, settings=args.set)
+                       warmup, trace=args.trace, shape=args.shape, settings=args.set,
+                       warmup_label=label)
     print(format_table(report))
     save(args, report, plot)
     return 0

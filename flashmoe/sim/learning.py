@@ -191,18 +191,23 @@ class LearningPath(ReplayHooks):
             self.made.clear()  # a sequence ended: nothing to say about a token not yet known
 
 
-def warmup_fits(folder: str | Path, config: FlashMoEConfig) -> bool:
+def warmup_fits(folder: str | Path, config: FlashMoEConfig,
+                shape: tuple[int, int] | None = None) -> bool:
     """Whether ``folder`` holds a warm-up checkpoint made for this config's predictor (its
-    network and size): a first-use warm-up made under another default is made again rather
-    than rejected at load."""
+    network and size) and, given ``shape`` (layers, experts a layer), for that model's
+    topology: a first-use warm-up made under another default is made again rather than
+    rejected at load."""
     try:
-        params = json.loads((Path(folder) / "predictor.json").read_text())["params"]
-        components = json.loads((Path(folder) / "extractor.json").read_text())["pca_components"]
+        predictor = json.loads((Path(folder) / "predictor.json").read_text())
+        extractor = json.loads((Path(folder) / "extractor.json").read_text())
+        params, components = predictor["params"], extractor["pca_components"]
+        shapes = {(predictor["L"], predictor["E"]), (extractor["L"], extractor["E"])}
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return params.get("model") == config.predictor.model and \
         params.get("hidden") == config.predictor.lstm_hidden and \
-        components == config.features.pca_components
+        components == config.features.pca_components and \
+        (shape is None or shapes == {tuple(shape)})
 
 
 WARMUP_PASSES = 2  # two online passes over the warm-up split beat one on dev

@@ -39,7 +39,7 @@ STATS_KEYS = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_load_f
               "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_failed",
               "prefetch_dropped", "prefetch_learned",
               "prefetch_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
-              "n_byte_loaded")
+              "n_byte_loaded", "estimates_used")
 
 
 class AcquireFailed(Exception):
@@ -187,6 +187,8 @@ class CacheManagerCore:
             return None
         policy.on_evict(victim)
         self.stats["n_evict"] += 1
+        if getattr(policy, "fallback", True) is False:  # chosen on a learned estimate
+            self.stats["estimates_used"] += 1
         if self.prefetched_unused and victim in self.prefetched_unused:
             self.prefetched_unused.discard(victim)
             self.stats["prefetch_wasted"] += 1

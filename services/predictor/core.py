@@ -135,6 +135,14 @@ def next_token_recall(p_used: np.ndarray, routing: np.ndarray) -> float:
     return float(next_token_recall_per_layer(p_used, routing).mean())
 
 
+def prepare_learner(config: PredictorConfig) -> None:
+    """Pay now for what a process's first Learner loads on first use (its optimizer's lazy
+    imports of torch, the fused inference library): about a second of CPU, which a service
+    spends before it reports ready rather than at its first batch, beside the worker's
+    compute."""
+    Learner(1, 2, 1, 1, config)
+
+
 class Learner:
     def __init__(self, num_layers: int, num_experts: int, dims: int, features: int,
                  config: PredictorConfig | None = None) -> None:

@@ -34,7 +34,7 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .core import Learner, next_token_recall
+from .core import Learner, next_token_recall, prepare_learner
 from .sharing import learner_patterns, write_predictor_checkpoint
 
 
@@ -49,6 +49,7 @@ class PredictorService(Service):
         self.layers, self.experts = len(manifest.moe_layers), manifest.num_experts
         self.checkpoint_dir = Path(checkpoint_dir)
         self.learner: Learner | None = None  # made at the first batch (its feature shape)
+        prepare_learner(config.predictor)
         self.warmup = warmup
         self.receive = Subscriber(self.ctx, config, features, LearningMessage, self.counters,
                                   "predictor")

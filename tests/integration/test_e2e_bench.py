@@ -46,3 +46,28 @@ def test_a_trace_of_another_topology_is_refused_by_name(tmp_path):
     with pytest.raises(TraceError, match="16 layers x 64 experts, top-8.*24 x 32, top-4"):
         e2e_bench.e2e_bench(tmp_path / "work", 1.0, [0.25], 4, 1, ["ram"], "",
                             trace="warp:olmoe", shape="gpt-oss-tiny")
+
+
+def test_the_default_warm_up_of_another_shape_leaves_the_learner_cold(tmp_path):
+    """The default warm-up (gpt-oss-20b's train split) does not fit a store of another
+    topology: the learner starts cold and the report says so; a --warmup of another shape is
+    refused by name (a user's mistake, not a traceback)."""
+    import argparse
+
+    from flashmoe.errors import CheckpointError
+
+    parser = argparse.ArgumentParser()
+    e2e_bench.add_arguments(parser)
+    args = parser.parse_args(["--shape", "qwen3-moe-1.7b", "--workdir", str(tmp_path)])
+    warmup_dir, label = e2e_bench.choose_warmup(args, tmp_path)
+    assert warmup_dir is None and label.startswith("none (cold") and "another shape" in label
+    assert not (tmp_path / "warmup").exists()  # nothing made for a shape it does not fit
+    ckpt = tmp_path / "gpt-oss-warmup"
+    warmup(sequences_slice(load_gptoss20b("train"), "train-slice", 0, 1), load_config(env={}),
+           ckpt, passes=0)
+    args.warmup = str(ckpt)
+    with pytest.raises(CheckpointError, match="qwen3-moe-1.7b shape"):
+        e2e_bench.choose_warmup(args, tmp_path)
+    args.shape = "gpt-oss-tiny"  # gpt-oss-20b's topology: it fits
+    assert e2e_bench.choose_warmup(args, tmp_path) == (str(ckpt), None)
+    assert e2e_bench.describe_warmup(str(ckpt)).startswith("train-slice, 0 pass(es)")

@@ -194,3 +194,32 @@ def test_malformed_and_wrong_version_messages_are_counted_and_dropped(setup, tmp
         rogue.close()
         good.close()
         ctx.term()
+
+
+def test_a_warm_up_of_another_shape_means_a_cold_start_not_a_crash(tmp_path):
+    """The extractor and the predictor given a warm-up checkpoint of another model's shape
+    say so and start cold."""
+    from services.feature_extractor.core import ExtractorCore, save_checkpoint
+    from services.feature_extractor.process import FeatureExtractorService
+    from services.predictor.core import Learner
+    from services.predictor.process import PredictorService
+
+    store = synth_store(tmp_path / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
+                        parallelism=3, show_progress=False).path  # 24 layers x 32 experts
+    other = tmp_path / "other-shape"
+    config = load_config(env={}, overrides=[f"store.path={store}"])
+    save_checkpoint(ExtractorCore(16, 64, 8, config.features.pca_components), other)
+    Learner(16, 64, config.features.pca_components, 15, config.predictor).save(other)
+    extractor = FeatureExtractorService(config, [f"ipc://{tmp_path}/ev.sock"],
+                                        f"ipc://{tmp_path}/fx.sock", None, warmup=str(other))
+    predictor = PredictorService(config, [f"ipc://{tmp_path}/fx.sock"],
+                                 f"ipc://{tmp_path}/pr.sock", None, str(tmp_path / "ckpt"),
+                                 warmup=str(other))
+    try:
+        assert extractor.core.features.t == 0 and extractor.core.features.L == 24
+        learner = predictor._make_learner(config.features.pca_components, 15)
+        assert learner.steps == 0 and predictor.resumed_from == ""
+    finally:
+        for service in (extractor, predictor):
+            service.close_sockets()
+            service.ctx.term()

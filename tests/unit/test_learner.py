@@ -88,12 +88,16 @@ def test_a_first_use_warm_up_of_another_network_is_made_again(tmp_path):
     (tmp_path / "predictor.json").write_text("{not json")
     assert not warmup_fits(tmp_path, lstm)
     (tmp_path / "predictor.json").write_text(json.dumps({"params": {"model": "lstm",
-                                                                    "hidden": 64}}))
+                                                                    "hidden": 64},
+                                                         "L": 24, "E": 32}))
     assert not warmup_fits(tmp_path, lstm)  # no extractor.json
-    (tmp_path / "extractor.json").write_text(json.dumps({"pca_components": 128}))
+    (tmp_path / "extractor.json").write_text(json.dumps({"pca_components": 128,
+                                                         "L": 24, "E": 32}))
     assert warmup_fits(tmp_path, lstm) and not warmup_fits(tmp_path, linear)
     fewer = load_config(env={}, overrides=["predictor.model=lstm", "features.pca_components=64"])
     assert not warmup_fits(tmp_path, fewer)
+    # another model's topology: made for 24 layers x 32 experts, not for 16 x 64
+    assert warmup_fits(tmp_path, lstm, (24, 32)) and not warmup_fits(tmp_path, lstm, (16, 64))
 
 
 def test_an_extractor_checkpoints_arrays_and_meta_come_from_one_save(tmp_path):

@@ -314,3 +314,23 @@ def test_look_ahead_prefetch_stays_off_in_layer_scope():
     core.set_estimate(S)
     core.acquire(W, 0, [0, 1], release_layers=[2])
     assert core.learned_hints(3, margin=3.0) == 0 and not core.pending_hints
+
+
+def test_estimates_used_counts_the_evictions_decided_on_an_estimate():
+    """``estimates_used``: evictions that FlashMoE chose on a learned estimate; in its LRU
+    fallback (no estimate, or one withdrawn) and under other policies it stays put."""
+    tokens = [[[0, 1], [0, 1], [0, 1]], [[2, 3], [2, 3], [2, 3]]]
+    cold = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe")
+    run_tokens(cold, tokens)
+    assert cold.stats["n_evict"] > 0 and cold.stats["estimates_used"] == 0
+    lru = CacheManagerCore(KNOWN, n_slots=4, policy="lru")
+    run_tokens(lru, tokens)
+    assert lru.stats["n_evict"] > 0 and lru.stats["estimates_used"] == 0
+
+    core = CacheManagerCore(KNOWN, n_slots=4, policy="flashmoe")
+    core.set_estimate(np.zeros((3, L * E)))
+    run_tokens(core, tokens[:1])  # 6 experts into 4 slots: 2 evictions on the estimate
+    assert core.stats["n_evict"] == 2 and core.stats["estimates_used"] == 2
+    core.set_estimate(None)  # withdrawn: LRU again
+    run_tokens(core, tokens[1:])
+    assert core.stats["n_evict"] > 2 and core.stats["estimates_used"] == 2
