@@ -125,9 +125,8 @@ def cmd_generate(args) -> int:
             state.mkdir(parents=True, exist_ok=True)
         try:
             if launcher is not None:
-                for spec in learning_specs(args.store, state, events, args.warmup,
-                                           launcher.endpoint):
-                    launcher.start(spec.name, spec.command)
+                launcher.start_together([(spec.name, spec.command) for spec in learning_specs(
+                    args.store, state, events, args.warmup, launcher.endpoint)])
                 endpoint = launcher.endpoint("cache_manager")
             result = generate(args.store, args.prompt, args.max_new_tokens, endpoint,
                               settings if launcher or args.config or args.set or args.profile

@@ -125,23 +125,35 @@ class Launcher:
               env: dict | None = None) -> Child:
         """``command``: the CLI words of the service (``serve-cache STORE``...); endpoint,
         control endpoint and config file are added."""
-        endpoint = self.endpoint(service)
-        control = control_endpoint_for(endpoint)
-        log_path = self.runtime_dir / f"{service}.log"
-        args = [*command, "--endpoint", endpoint, "--control-endpoint", control,
-                "--config", str(self.config_path)]
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cli_command(*args), env={**child_env(), **(env or {})},
-                                    stdout=log_file, stderr=subprocess.STDOUT)
-        child = Child(service, proc, log_path, endpoint, control, args)
-        self.children[service] = child
+        return self.start_together([(service, command)], ready_timeout_s, env)[0]
+
+    def start_together(self, services: list[tuple[str, list[str]]],
+                       ready_timeout_s: float = 60.0, env: dict | None = None) -> list[Child]:
+        """Start every service at once (their start-ups overlap), then wait until each is
+        healthy; one that fails stops the others started here."""
+        started = []
+        for service, command in services:
+            endpoint = self.endpoint(service)
+            control = control_endpoint_for(endpoint)
+            log_path = self.runtime_dir / f"{service}.log"
+            args = [*command, "--endpoint", endpoint, "--control-endpoint", control,
+                    "--config", str(self.config_path)]
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(cli_command(*args), env={**child_env(), **(env or {})},
+                                        stdout=log_file, stderr=subprocess.STDOUT)
+            child = Child(service, proc, log_path, endpoint, control, args)
+            self.children[service] = child
+            started.append(child)
         try:
-            wait_healthy(proc, control, log_path, service, ready_timeout_s)
+            for child in started:
+                wait_healthy(child.proc, child.control_endpoint, child.log_path, child.service,
+                             ready_timeout_s)
         except ServiceStartError:
-            stop_process(proc)
-            del self.children[service]
+            for child in started:
+                stop_process(child.proc)
+                del self.children[child.service]
             raise
-        return child
+        return started
 
     def start_plain(self, service: str, command: list[str],
                     env: dict | None = None) -> subprocess.Popen:
