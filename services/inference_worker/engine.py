@@ -286,11 +286,15 @@ class Engine:
 
         def forward(seq: _Sequence):
             with group.cond:
-                if seq.prefilled:
-                    return runner.forward([seq.generated[-1]], seq.cache, group,
-                                          self._text(seq.generated[-1]))
-                return runner.forward(seq.request.prompt_ids, None, group,
-                                      all_positions=self.publisher is not None)
+                try:
+                    if seq.prefilled:
+                        return runner.forward([seq.generated[-1]], seq.cache, group,
+                                              self._text(seq.generated[-1]))
+                    return runner.forward(seq.request.prompt_ids, None, group,
+                                          all_positions=self.publisher is not None)
+                except BaseException as exc:
+                    group.fail(exc)  # the others stop at their next meeting
+                    raise
 
         futures = [self.pool.submit(forward, seq) for seq in sequences]
         results, failure = [], None

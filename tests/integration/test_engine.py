@@ -1,0 +1,115 @@
+"""The serving engine in-process, over a real cache manager: sequences decoded together get
+exactly the logits they get alone (their experts fetched once per layer for all of them, in
+requests smaller than their union), and a failed fetch fails that step's requests, not the
+engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.cache_client import CacheClient
+from services.inference_worker.engine import Engine, Request, SamplingParams
+from services.inference_worker.generate import arena_fetch, load_tokenizer
+from services.inference_worker.model_runner import ModelRunner
+
+PROMPTS = ["FlashMoE keeps", "The cache manager", "Experts live on SSD in a striped store"]
+
+
+def run(engine: Engine, prompts: list[str], tokenizer, n: int = 8) -> list[dict]:
+    """Submit every prompt at once, turn the loop until all are done."""
+    results = [{"pieces": []} for _ in prompts]
+
+    def emit_for(i):
+        def emit(kind, payload):
+            if kind == "text":
+                results[i]["pieces"].append(payload)
+            else:
+                results[i][kind] = payload
+        return emit
+
+    for i, p in enumerate(prompts):
+        engine.submit(Request(tokenizer(p)["input_ids"],
+                              SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                              emit_for(i)))
+    while not all("done" in r or "error" in r for r in results):
+        engine.turn()
+    engine.turn()  # idle: the engine lets go of its pins
+    return results
+
+
+@pytest.fixture
+def engine_parts(tiny_store, start_manager):
+    manager = start_manager(tiny_store, "cache.capacity_experts=6")
+    with CacheClient(manager.endpoint) as client:
+        fetches = []
+        fetch = arena_fetch(client)
+
+        def watched(layer, experts, release, token):
+            fetches.append((layer, list(experts)))
+            return fetch(layer, experts, release, token)
+
+        runner = ModelRunner(tiny_store, watched)
+        yield client, runner, load_tokenizer(tiny_store), fetches
+
+
+def make_engine(client, runner, tokenizer, max_request: int, max_batch: int) -> Engine:
+    return Engine(runner, tokenizer, max_request, release=client.release, max_batch=max_batch)
+
+
+def test_sequences_together_get_their_solo_answers_with_shared_fetches(engine_parts):
+    client, runner, tokenizer, fetches = engine_parts
+    alone = [run(make_engine(client, runner, tokenizer, 6, 1), [p], tokenizer)[0]
+             for p in PROMPTS]
+    fetches_alone = len(fetches)
+    fetches.clear()
+    engine = make_engine(client, runner, tokenizer, 2, 3)  # requests of 2 < the union
+    together = run(engine, PROMPTS, tokenizer)
+    assert [r["done"]["token_ids"] for r in together] == [r["done"]["token_ids"] for r in alone]
+    assert ["".join(r["pieces"]) for r in together] == ["".join(r["pieces"]) for r in alone]
+    assert engine.stats["max_batch"] == 3
+    assert all(len(experts) <= 2 for _, experts in fetches)
+    # one meeting per layer and step serves all three: fewer requests than alone, even in
+    # requests of 2 experts
+    assert len(fetches) < fetches_alone
+    assert client.stats()["pinned"] == 0  # idle: the engine released its pins
+
+
+def test_a_failed_fetch_fails_its_step_and_the_engine_goes_on(engine_parts):
+    client, runner, tokenizer, _ = engine_parts
+    real = runner.fetch
+    calls = {"n": 0}
+
+    def flaky(layer, experts, release, token):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("a read failed")
+        return real(layer, experts, release, token)
+
+    runner.fetch = flaky
+    engine = make_engine(client, runner, tokenizer, 6, 3)
+    failed = run(engine, PROMPTS, tokenizer)
+    assert all("error" in r for r in failed)
+    assert engine.stats["requests_failed"] == 3
+    ok = run(engine, PROMPTS[:1], tokenizer)
+    assert "done" in ok[0] and len(ok[0]["done"]["token_ids"]) == 8
+
+
+def test_stop_strings_and_seeded_sampling(engine_parts):
+    client, runner, tokenizer, _ = engine_parts
+    engine = make_engine(client, runner, tokenizer, 6, 2)
+    full = "".join(run(engine, PROMPTS[:1], tokenizer, 12)[0]["pieces"])
+    stop = full[4:6]
+    results = []
+    for params in (SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]),
+                   SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+                   SamplingParams(max_tokens=12, temperature=0.8, seed=3)):
+        out = {"pieces": []}
+        engine.submit(Request(tokenizer(PROMPTS[0])["input_ids"], params,
+                              lambda k, p, out=out: out["pieces"].append(p) if k == "text"
+                              else out.__setitem__(k, p)))
+        while "done" not in out:
+            engine.turn()
+        results.append(out)
+    assert "".join(results[0]["pieces"]) == full[:full.index(stop)]
+    assert results[0]["done"]["finish_reason"] == "stop"
+    assert results[1]["done"]["token_ids"] == results[2]["done"]["token_ids"]
