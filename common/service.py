@@ -135,8 +135,13 @@ class Service:
         for sock in self.sockets():
             poller.register(sock, zmq.POLLIN)
         next_tick = time.monotonic()
+        has_sockets = bool(self.sockets())
         while self.state is State.RUNNING:
-            events = dict(poller.poll(int(TICK_S * 1000)))
+            if has_sockets:
+                events = dict(poller.poll(int(TICK_S * 1000)))
+            else:  # zmq_poll over no socket returns at once: sleep the tick instead
+                time.sleep(TICK_S)
+                events = {}
             with self.lock:
                 for sock in events:
                     self.on_readable(sock)
