@@ -345,8 +345,10 @@ def serving_stats(state: ServingState) -> dict:
         s = dict(engine.stats)
         hinted = s.pop("lookahead_hinted")
         hits = s.pop("lookahead_hits")
+        s.pop("lookahead_samples")
         out.update(s, queue_length=engine.queue_length(), running=len(engine.active),
                    router_lookahead=engine.runner.lookahead,
+                   router_lookahead_hinting=engine.lookahead_hinting(),
                    router_lookahead_recall=round(hits / hinted, 4) if hinted else None)
     try:
         c = state.cache_stats()
