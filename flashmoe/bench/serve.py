@@ -6,7 +6,9 @@ time (asyncio tasks of one ``AsyncOpenAI`` client, no retries). Times are the cl
 
   TTFT  from sending a request to its first streamed text;
   ITL   between two streamed texts of a request (the server sends no chunk for a token whose
-        text is empty, e.g. half a UTF-8 character: that gap then spans two tokens);
+        text is empty, e.g. half a UTF-8 character or a special token: that gap then spans
+        two tokens, and a request whose every token is special, as a random model's greedy
+        output can be, gives no ITL and its end as its first token);
   TPOT  a request's decode time per token, from its first text to its end, over its tokens
         after the first (the usage the server reports counts them);
 
@@ -16,11 +18,11 @@ server's ``/stats`` give the cache's figures (cumulative since the server starte
 stall-free rate, router look-ahead recall, estimate, predictor recall, largest batch); the
 level's own stall-free rate comes from the difference of its hit and miss counters.
 
-Prompts are texts of a fixed list, drawn with ``--seed``. Several levels (``--concurrency
-1,2,4``) run in ``--rounds`` rounds, the levels in a random order per round (this disk's
-speed drifts); a level's latencies are pooled over its rounds and its throughput is the
-median of its rounds (min..max beside it). ``--warmup-prompts`` requests go first, one at a
-time, and are not counted.
+Prompts are texts of a fixed list, drawn with ``--seed`` (or one ``--prompt`` for all).
+Several levels (``--concurrency 1,2,4``) run in ``--rounds`` rounds, the levels in a random
+order per round (this disk's speed drifts); a level's latencies are pooled over its rounds
+and its throughput is the median of its rounds (min..max beside it). ``--warmup-prompts``
+requests go first, one at a time, and are not counted.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ TEXTS = (
 )
 
 
-def prompts_of(n: int, seed: int) -> list[str]:
+def prompts_of(n: int, seed: int, text: str | None = None) -> list[str]:
     rng = random.Random(seed)
-    return [rng.choice(TEXTS) for _ in range(n)]
+    return [text or rng.choice(TEXTS) for _ in range(n)]
 
 
 @dataclass
@@ -74,15 +76,15 @@ class Timing:
     latency_s: float = 0.0
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, temperature: float
-                      ) -> Timing:
+async def one_request(client, model: str, prompt: str, max_tokens: int, temperature: float,
+                      seed: int | None = None) -> Timing:
     timing = Timing()
     started = time.perf_counter()
     first = last_text = end = None
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-            stream=True, stream_options={"include_usage": True},
+            seed=seed, stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})
         async for chunk in stream:
             now = time.perf_counter()
@@ -97,31 +99,35 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, temperat
                     last_text = now
                 if choice.finish_reason is not None:
                     end = now
-        timing.ok = first is not None
+        timing.ok = end is not None
         if not timing.ok:
-            timing.error = "no text came back"
+            timing.error = "the stream ended without a finish reason"
     except Exception as exc:  # noqa: BLE001 - a failed request is a figure
         timing.error = f"{type(exc).__name__}: {exc}"
     timing.latency_s = time.perf_counter() - started
-    if first is not None:
+    if first is None:  # every token's text was empty: only the end can be timed
+        first = end
+    if timing.ok:
         timing.ttft_s = first - started
-        end = end or last_text
-        if timing.tokens > 1:
+        if timing.tokens > 1 and end > first:
             timing.tpot_s = (end - first) / (timing.tokens - 1)
     return timing
 
 
 async def run_level(client, model: str, prompts: list[str], concurrency: int,
-                    max_tokens: int, temperature: float) -> tuple[list[Timing], float]:
-    """Every prompt, at most ``concurrency`` in flight; the timings and the wall time."""
+                    max_tokens: int, temperature: float, seed: int = 0
+                    ) -> tuple[list[Timing], float]:
+    """Every prompt, at most ``concurrency`` in flight; the timings and the wall time. With
+    a temperature above 0 the i-th prompt is sampled with the seed ``seed + i``."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def limited(prompt: str) -> Timing:
+    async def limited(i: int, prompt: str) -> Timing:
         async with gate:
-            return await one_request(client, model, prompt, max_tokens, temperature)
+            return await one_request(client, model, prompt, max_tokens, temperature,
+                                     seed + i if temperature > 0 else None)
 
     started = time.perf_counter()
-    timings = await asyncio.gather(*(limited(p) for p in prompts))
+    timings = await asyncio.gather(*(limited(i, p) for i, p in enumerate(prompts)))
     return list(timings), time.perf_counter() - started
 
 
@@ -155,6 +161,7 @@ def summarize(concurrency: int, rounds: list[tuple[list[Timing], float, dict]]) 
     tok_s = [sum(t.tokens for t in timings if t.ok) / wall for timings, wall, _ in rounds]
     req_s = [sum(t.ok for t in timings) / wall for timings, wall, _ in rounds]
     row = {"concurrency": concurrency, "rounds": len(rounds),
+           "requests_without_text": sum(not t.itl_s and t.tokens > 1 for t in done),
            "requests": len(done), "failed": len(failed),
            "errors": sorted({t.error for t in failed})[:3],
            "output_tokens": sum(t.tokens for t in done),
@@ -174,7 +181,7 @@ def summarize(concurrency: int, rounds: list[tuple[list[Timing], float, dict]]) 
 async def serve_bench_async(url: str, prompts: int, concurrency: list[int], max_tokens: int,
                             rounds: int = 1, seed: int = 0, temperature: float = 0.0,
                             api_key: str | None = None, warmup_prompts: int = 1,
-                            say=print) -> dict:
+                            prompt: str | None = None, say=print) -> dict:
     from openai import AsyncOpenAI
 
     from flashmoe.runtime.serve import fetch_stats
@@ -184,10 +191,10 @@ async def serve_bench_async(url: str, prompts: int, concurrency: list[int], max_
                          timeout=3600.0)
     try:
         model = (await client.models.list()).data[0].id
-        texts = prompts_of(prompts, seed)
+        texts = prompts_of(prompts, seed, prompt)
         if warmup_prompts:
-            await run_level(client, model, prompts_of(warmup_prompts, seed + 1), 1,
-                            max_tokens, temperature)
+            await run_level(client, model, prompts_of(warmup_prompts, seed + 1, prompt), 1,
+                            max_tokens, temperature, seed + prompts)
         rng = random.Random(seed)
         runs: dict[int, list] = {c: [] for c in concurrency}
         started = time.perf_counter()
@@ -195,7 +202,7 @@ async def serve_bench_async(url: str, prompts: int, concurrency: list[int], max_
             for c in rng.sample(concurrency, len(concurrency)):
                 before = fetch_stats(url) or {}
                 timings, wall = await run_level(client, model, texts, c, max_tokens,
-                                                temperature)
+                                                temperature, seed)
                 after = fetch_stats(url) or {}
                 runs[c].append((timings, wall, _level_stats(before, after)))
                 made = sum(t.tokens for t in timings if t.ok)
@@ -206,7 +213,7 @@ async def serve_bench_async(url: str, prompts: int, concurrency: list[int], max_
     return {"url": url, "model": model, "prompts": prompts, "concurrency": concurrency,
             "max_tokens": max_tokens, "rounds": rounds, "seed": seed,
             "temperature": temperature, "api_key_given": bool(api_key),
-            "warmup_prompts": warmup_prompts,
+            "warmup_prompts": warmup_prompts, "prompt": prompt,
             "results": [summarize(c, runs[c]) for c in concurrency],
             "wall_s": round(time.perf_counter() - started, 1)}
 
@@ -280,8 +287,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens each request generates (ignore_eos: exactly these)")
     p.add_argument("--rounds", type=int, default=1,
                    help="rounds, the levels in a random order in each")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above it each request is sampled with its own seed "
+                        "(--seed + its index), so a run can be repeated")
     p.add_argument("--seed", type=int, default=0, help="draws the prompts and the order")
+    p.add_argument("--prompt", default=None,
+                   help="this text for every request, in place of the built-in list")
     p.add_argument("--warmup-prompts", type=int, default=1,
                    help="requests sent first, one at a time, not counted")
     p.add_argument("--api-key", default=None, help="the server's serve.api_key, if it has one")
@@ -297,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report = serve_bench(args.url, args.prompts, args.concurrency, args.max_tokens,
                          rounds=args.rounds, seed=args.seed, temperature=args.temperature,
-                         api_key=args.api_key, warmup_prompts=args.warmup_prompts)
+                         api_key=args.api_key, warmup_prompts=args.warmup_prompts,
+                         prompt=args.prompt)
     print(format_table(report))
     save(args, report, plot)
     return 0 if all(r["failed"] == 0 for r in report["results"]) else 1
