@@ -45,4 +45,6 @@ BENCHMARKS = (
     Benchmark("cluster-bench", "cluster", "hit rate of a device's first tokens after a warm "
                                           "start from a peer through Redis, against a cold "
                                           "start and a local warm-up"),
+    Benchmark("serve-bench", "serve", "TTFT, inter-token latency and tokens/s of a running "
+                                      "`flashmoe serve`, through the OpenAI client"),
 )

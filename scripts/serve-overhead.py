@@ -1,0 +1,197 @@
+"""What serving through HTTP costs a decode step: `flashmoe generate` in-process against
+`flashmoe serve` driven by `flashmoe serve-bench` at concurrency 1, on the same store, prompt,
+cache size and token count.
+
+    python scripts/serve-overhead.py STORE --capacity N [--rounds 3] [--tokens 32] [--seed 0]
+        [--json results/serve_overhead.json]
+
+Every contender generates the same tokens: one request of ``--tokens`` tokens from one prompt,
+sampled at temperature 1 with ``--seed`` (a random model's greedy output is one special token
+over and over, whose empty text a stream does not carry).
+
+Contenders, in a random order in each round (this disk's speed drifts):
+
+  generate     `flashmoe generate`'s engine in-process (its own cache manager, LRU, no
+               learning path): decode ms/token (from its first to its last token, over the
+               tokens after the first);
+  serve-lru    `flashmoe serve --set cache.policy=lru`, the same cache policy as generate, the
+               learning path running beside it: serve-bench's TPOT of the one streamed request
+               (client-side, the same span over the same tokens);
+  serve        `flashmoe serve` as it ships (the learned policy).
+
+Both servers start once, before the first round, and stay up (each round's requests then meet
+a cache that has seen the earlier rounds, as a server's do; generate starts cold each time:
+its prefill fills the cache before the decode is timed). Overhead: a server's median over
+rounds against generate's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+TEMPERATURE = 1.0
+PROMPT = "The cache manager evicts the expert needed last and prefetches what is needed soonest."
+READY_S = 300.0
+
+
+def flashmoe(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flashmoe", *args]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, store: str, capacity: int, work: Path, name: str, *settings: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(work / f"{name}.log", "w")
+        cmd = flashmoe("serve", store, "--home", str(work / f"home-{name}"),
+                       "--set", f"serve.port={self.port}", "--set", "panel.port=0",
+                       "--set", f"cache.capacity_experts={capacity}",
+                       *[x for s in settings for x in ("--set", s)])
+        self.proc = subprocess.Popen(cmd, env=env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not ready within {READY_S:g} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def run_generate(store: str, capacity: int, tokens: int, seed: int, work: Path) -> dict:
+    """`flashmoe generate`'s function in this process, with its own cache manager (as the
+    command starts one), sampling as serve-bench asks the server to."""
+    import flashmoe  # noqa: F401  (first: single-threaded BLAS, as in every FlashMoE process)
+    from common.config import load_config
+    from flashmoe.runtime.launch import Launcher
+    from services.inference_worker.engine import SamplingParams
+    from services.inference_worker.generate import generate
+
+    settings = load_config(env={}, overrides=[f"store.path={store}",
+                                              f"cache.capacity_experts={capacity}"])
+    runtime = Path(tempfile.mkdtemp(prefix="gen-", dir=work))
+    launcher = Launcher(settings, runtime)
+    try:
+        endpoint = launcher.start("cache", ["serve-cache", store]).endpoint
+        doc = generate(store, PROMPT, tokens, endpoint, settings,
+                       params=SamplingParams(temperature=TEMPERATURE, seed=seed))
+    finally:
+        launcher.stop_all()
+    steps = doc["decode_steps"]
+    return {"ms_per_token": round(doc["decode_s"] * 1e3 / steps, 2), "decode_steps": steps,
+            "hit_rate": round(doc["stats"]["n_hit"] / max(doc["stats"]["n_hit"]
+                                                          + doc["stats"]["n_miss"], 1), 4)}
+
+
+def run_bench(server: Server, tokens: int, seed: int, work: Path) -> dict:
+    out = work / "bench.json"
+    subprocess.run(flashmoe("serve-bench", "--url", server.url, "--prompts", "1",
+                            "--concurrency", "1", "--max-tokens", str(tokens), "--prompt",
+                            PROMPT, "--temperature", str(TEMPERATURE), "--seed", str(seed),
+                            "--json", str(out)),
+                   env=env(), check=True, stdout=subprocess.DEVNULL)
+    (row,) = json.loads(out.read_text())["results"]
+    return {"ms_per_token": row["tpot_ms_p50"], "itl_ms_p50": row["itl_ms_p50"],
+            "ttft_ms_p50": row["ttft_ms_p50"], "hit_rate": row["hit_rate"],
+            "stall_free_rate": row["stall_free_rate_level"], "requests": row["requests"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("store")
+    p.add_argument("--capacity", type=int, required=True, help="cache.capacity_experts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=32, help="tokens a request generates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--servers", type=lambda text: text.split(","), default=["serve"],
+                   help="serve, serve-lru or both (both: two servers up at once, each idle "
+                        "one's CPU taken from the other)")
+    p.add_argument("--json", default="results/serve_overhead.json")
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the servers stop in finally
+    work = Path(tempfile.mkdtemp(prefix="serve-overhead-"))
+    settings = {"serve": (), "serve-lru": ("cache.policy=lru",)}
+    servers = {name: Server(args.store, args.capacity, work, name, *settings[name])
+               for name in args.servers}
+    runs: dict[str, list[dict]] = {"generate": [], **{name: [] for name in servers}}
+    rng = random.Random(args.seed)
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        for r in range(args.rounds):
+            for name in rng.sample(list(runs), len(runs)):
+                run = run_generate(args.store, args.capacity, args.tokens, args.seed, work) \
+                    if name == "generate" else \
+                    run_bench(servers[name], args.tokens, args.seed, work)
+                runs[name].append(run)
+                print(f"round {r + 1}/{args.rounds} {name}: {run['ms_per_token']} ms/token",
+                      flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    base = statistics.median(x["ms_per_token"] for x in runs["generate"])
+    rows = []
+    for name, done in runs.items():
+        ms = [x["ms_per_token"] for x in done]
+        mid = statistics.median(ms)
+        rows.append({"contender": name, "ms_per_token": round(mid, 2),
+                     "ms_per_token_min": min(ms), "ms_per_token_max": max(ms),
+                     "overhead_pct": round((mid / base - 1) * 100, 1),
+                     "rounds": done})
+    doc = {"store": Path(args.store).name, "capacity_experts": args.capacity,
+           "tokens": args.tokens, "rounds": args.rounds, "prompt": PROMPT,
+           "temperature": TEMPERATURE, "seed": args.seed, "results": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    for row in rows:
+        print(f"{row['contender']:<10} {row['ms_per_token']:>7.1f} ms/token "
+              f"({row['ms_per_token_min']}..{row['ms_per_token_max']}) "
+              f"{row['overhead_pct']:+.1f}%")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
