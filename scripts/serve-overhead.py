@@ -11,17 +11,18 @@ over and over, whose empty text a stream does not carry).
 
 Contenders, in a random order in each round (this disk's speed drifts):
 
-  generate     `flashmoe generate`'s engine in-process (its own cache manager, LRU, no
-               learning path): decode ms/token (from its first to its last token, over the
-               tokens after the first);
-  serve-lru    `flashmoe serve --set cache.policy=lru`, the same cache policy as generate, the
+  generate     `flashmoe generate`'s engine in-process, with the services the command starts
+               (cache manager with the learned policy, extractor, predictor): decode
+               ms/token (from its first to its last token, over the tokens after the first);
+  serve-lru    `flashmoe serve --set cache.policy=lru`: LRU, the
                learning path running beside it: serve-bench's TPOT of the one streamed request
                (client-side, the same span over the same tokens);
   serve        `flashmoe serve` as it ships (the learned policy).
 
-Both servers start once, before the first round, and stay up (each round's requests then meet
-a cache that has seen the earlier rounds, as a server's do; generate starts cold each time:
-its prefill fills the cache before the decode is timed). Overhead: a server's median over
+Servers start once, before the first round, and stay up (each round's requests then meet a
+cache that has seen the earlier rounds, as a server's do; generate's cache starts empty each
+time, its prefill filling it before the decode is timed, and its learned state is kept across
+rounds). Overhead: a server's median over
 rounds against generate's.
 """
 
@@ -101,22 +102,29 @@ class Server:
 
 
 def run_generate(store: str, capacity: int, tokens: int, seed: int, work: Path) -> dict:
-    """`flashmoe generate`'s function in this process, with its own cache manager (as the
-    command starts one), sampling as serve-bench asks the server to."""
+    """`flashmoe generate` in this process: the cache manager, extractor and predictor it
+    starts (the learned policy, its state kept across rounds as serve keeps its own), the
+    engine in-process, sampling as serve-bench asks the server to."""
     import flashmoe  # noqa: F401  (first: single-threaded BLAS, as in every FlashMoE process)
     from common.config import load_config
+    from common.store import ExpertStore
     from flashmoe.runtime.launch import Launcher
+    from flashmoe.runtime.serve import learned_state_dir, learning_specs
     from services.inference_worker.engine import SamplingParams
     from services.inference_worker.generate import generate
 
-    settings = load_config(env={}, overrides=[f"store.path={store}",
+    settings = load_config(env={}, overrides=[f"store.path={store}", "cache.policy=flashmoe",
                                               f"cache.capacity_experts={capacity}"])
     runtime = Path(tempfile.mkdtemp(prefix="gen-", dir=work))
+    state = learned_state_dir(work / "generate-home", ExpertStore.open(store))
+    state.mkdir(parents=True, exist_ok=True)
+    events = f"ipc://{runtime}/worker.events.sock"
     launcher = Launcher(settings, runtime)
     try:
-        endpoint = launcher.start("cache", ["serve-cache", store]).endpoint
-        doc = generate(store, PROMPT, tokens, endpoint, settings,
-                       params=SamplingParams(temperature=TEMPERATURE, seed=seed))
+        launcher.start_together([(spec.name, spec.command) for spec in learning_specs(
+            store, state, events, None, launcher.endpoint)])
+        doc = generate(store, PROMPT, tokens, launcher.endpoint("cache_manager"), settings,
+                       events=events, params=SamplingParams(temperature=TEMPERATURE, seed=seed))
     finally:
         launcher.stop_all()
     steps = doc["decode_steps"]
