@@ -19,10 +19,9 @@ Contenders, in a random order in each round (this disk's speed drifts):
                (client-side, the same span over the same tokens);
   serve        `flashmoe serve` as it ships (the learned policy).
 
-Servers start once, before the first round, and stay up (each round's requests then meet a
-cache that has seen the earlier rounds, as a server's do; generate's cache starts empty each
-time, its prefill filling it before the decode is timed, and its learned state is kept across
-rounds). Overhead: a server's median over
+The servers and generate's services start once, before the first round, and stay up: each
+round's request meets a cache (and a learner) that has seen the earlier rounds, in every
+contender alike. Overhead: a server's median over
 rounds against generate's.
 """
 
@@ -101,36 +100,43 @@ class Server:
         self.log.close()
 
 
-def run_generate(store: str, capacity: int, tokens: int, seed: int, work: Path) -> dict:
-    """`flashmoe generate` in this process: the cache manager, extractor and predictor it
-    starts (the learned policy, its state kept across rounds as serve keeps its own), the
-    engine in-process, sampling as serve-bench asks the server to."""
-    import flashmoe  # noqa: F401  (first: single-threaded BLAS, as in every FlashMoE process)
-    from common.config import load_config
-    from common.store import ExpertStore
-    from flashmoe.runtime.launch import Launcher
-    from flashmoe.runtime.serve import learned_state_dir, learning_specs
-    from services.inference_worker.engine import SamplingParams
-    from services.inference_worker.generate import generate
+class InProcess:
+    """`flashmoe generate`'s engine in this process, over the services the command starts
+    (cache manager with the learned policy, extractor, predictor), kept up for the whole run
+    as a server's are, so that both meet a cache that has seen the earlier rounds."""
 
-    settings = load_config(env={}, overrides=[f"store.path={store}", "cache.policy=flashmoe",
-                                              f"cache.capacity_experts={capacity}"])
-    runtime = Path(tempfile.mkdtemp(prefix="gen-", dir=work))
-    state = learned_state_dir(work / "generate-home", ExpertStore.open(store))
-    state.mkdir(parents=True, exist_ok=True)
-    events = f"ipc://{runtime}/worker.events.sock"
-    launcher = Launcher(settings, runtime)
-    try:
-        launcher.start_together([(spec.name, spec.command) for spec in learning_specs(
-            store, state, events, None, launcher.endpoint)])
-        doc = generate(store, PROMPT, tokens, launcher.endpoint("cache_manager"), settings,
-                       events=events, params=SamplingParams(temperature=TEMPERATURE, seed=seed))
-    finally:
-        launcher.stop_all()
-    steps = doc["decode_steps"]
-    return {"ms_per_token": round(doc["decode_s"] * 1e3 / steps, 2), "decode_steps": steps,
-            "hit_rate": round(doc["stats"]["n_hit"] / max(doc["stats"]["n_hit"]
-                                                          + doc["stats"]["n_miss"], 1), 4)}
+    def __init__(self, store: str, capacity: int, work: Path) -> None:
+        import flashmoe  # noqa: F401  (first: single-threaded BLAS, as in every FlashMoE process)
+        from common.config import load_config
+        from common.store import ExpertStore
+        from flashmoe.runtime.launch import Launcher
+        from flashmoe.runtime.serve import learned_state_dir, learning_specs
+
+        self.store = store
+        self.settings = load_config(env={}, overrides=[
+            f"store.path={store}", "cache.policy=flashmoe", f"cache.capacity_experts={capacity}"])
+        runtime = Path(tempfile.mkdtemp(prefix="gen-", dir=work))
+        state = learned_state_dir(work / "generate-home", ExpertStore.open(store))
+        state.mkdir(parents=True, exist_ok=True)
+        self.events = f"ipc://{runtime}/worker.events.sock"
+        self.launcher = Launcher(self.settings, runtime)
+        self.launcher.start_together([(spec.name, spec.command) for spec in learning_specs(
+            store, state, self.events, None, self.launcher.endpoint)])
+
+    def run(self, tokens: int, seed: int) -> dict:
+        from services.inference_worker.engine import SamplingParams
+        from services.inference_worker.generate import generate
+
+        doc = generate(self.store, PROMPT, tokens, self.launcher.endpoint("cache_manager"),
+                       self.settings, events=self.events,
+                       params=SamplingParams(temperature=TEMPERATURE, seed=seed))
+        steps = doc["decode_steps"]
+        return {"ms_per_token": round(doc["decode_s"] * 1e3 / steps, 2), "decode_steps": steps,
+                "hit_rate": round(doc["stats"]["n_hit"] / max(doc["stats"]["n_hit"]
+                                                              + doc["stats"]["n_miss"], 1), 4)}
+
+    def stop(self) -> None:
+        self.launcher.stop_all()
 
 
 def run_bench(server: Server, tokens: int, seed: int, work: Path) -> dict:
@@ -165,18 +171,21 @@ def main() -> int:
                for name in args.servers}
     runs: dict[str, list[dict]] = {"generate": [], **{name: [] for name in servers}}
     rng = random.Random(args.seed)
+    in_process = None
     try:
+        in_process = InProcess(args.store, args.capacity, work)
         for server in servers.values():
             server.wait_ready()
         for r in range(args.rounds):
             for name in rng.sample(list(runs), len(runs)):
-                run = run_generate(args.store, args.capacity, args.tokens, args.seed, work) \
-                    if name == "generate" else \
+                run = in_process.run(args.tokens, args.seed) if name == "generate" else \
                     run_bench(servers[name], args.tokens, args.seed, work)
                 runs[name].append(run)
                 print(f"round {r + 1}/{args.rounds} {name}: {run['ms_per_token']} ms/token",
                       flush=True)
     finally:
+        if in_process is not None:
+            in_process.stop()
         for server in servers.values():
             server.stop()
     base = statistics.median(x["ms_per_token"] for x in runs["generate"])
