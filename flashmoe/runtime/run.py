@@ -8,7 +8,8 @@ everything, leaving no process, socket file or shared-memory arena behind.
 What it needs is made on first use, under ``--home`` (default ``.flashmoe/run``): a store of
 random bf16 experts in gpt-oss-20b's shape (``flashmoe synth-store``, at ``DEFAULT_SCALE``: a
 quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkpoint of the
-learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split).
+learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split;
+none for a ``--store`` of another topology: the learner starts cold).
 The worker replays gpt-oss-20b's eval split at a model's pace: the full split where the full
 traces are found (``--traces-dir``, ``traces.dir``, ``../shared/traces``), else the sample
 committed in the project (``gptoss20b-sample``); the run says which. Progress (tokens/s, hit
@@ -56,8 +57,10 @@ def default_traces(traces_dir: Path) -> tuple[str, str]:
 
 
 def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str | None,
-            traces_dir: Path, say=print) -> tuple[str, str]:
-    """The store and warm-up checkpoint to run with, made when missing."""
+            traces_dir: Path, say=print) -> tuple[str, str | None]:
+    """The store and warm-up checkpoint to run with, made when missing. No checkpoint (the
+    learner cold) for a store of another topology than the default warm-up trace's."""
+    from common.store import ExpertStore
     from flashmoe.sim.learning import warmup as run_warmup
     from flashmoe.sim.learning import warmup_fits
 
@@ -70,9 +73,16 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
                                 config.store.parallelism, show_progress=False).path)
     if warmup is None:
         path = home / "warmup"
-        if not warmup_fits(path, config):
+        manifest = ExpertStore.open(store).manifest
+        topology = (len(manifest.moe_layers), manifest.num_experts)
+        if not warmup_fits(path, config, topology):
             name = default_traces(traces_dir)[0]
             train = first_sequences(load_trace(name, traces_dir), SAMPLE_TRAIN_TOKENS)
+            if (train.num_layers, train.num_experts) != topology:
+                say(f"[run] the learned policy starts cold: {name} routes {train.num_layers} "
+                    f"layers x {train.num_experts} experts, the store has {topology[0]} x "
+                    f"{topology[1]}")
+                return store, None
             say(f"[run] warming the learned policy up on {train.n_tokens} tokens of {name} "
                 f"(first use only)")
             run_warmup(train, config, path)
@@ -80,10 +90,11 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
     return store, warmup
 
 
-def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | None,
+def services(store: str, warmup: str | None, runtime: Path, trace: str, tokens: int | None,
              loop: bool, token_ms: float, endpoint,
              traces_dir: Path | None = None) -> list[ServiceSpec]:
-    """The processes of a run, in start order; ``endpoint(service)`` names their sockets."""
+    """The processes of a run, in start order; ``endpoint(service)`` names their sockets.
+    ``warmup``: the learning services' checkpoint (None: they start cold)."""
     events = f"ipc://{runtime}/worker.events.sock"
     worker = ["trace-worker", "--cache", endpoint("cache_manager"), "--events", events,
               "--trace", trace, "--token-ms", str(token_ms)]
@@ -93,12 +104,13 @@ def services(store: str, warmup: str, runtime: Path, trace: str, tokens: int | N
         worker.append("--loop")
     elif tokens:
         worker += ["--tokens", str(tokens)]
+    start_from = ["--warmup", warmup] if warmup else []
     return [
         ServiceSpec("predictor", ["serve-predictor", store, "--features",
                                   endpoint("feature_extractor"), "--checkpoint-dir",
-                                  str(runtime / "predictor-checkpoint"), "--warmup", warmup]),
+                                  str(runtime / "predictor-checkpoint"), *start_from]),
         ServiceSpec("feature_extractor", ["serve-features", store, "--events", events,
-                                          "--warmup", warmup]),
+                                          *start_from]),
         ServiceSpec("cache_manager", ["serve-cache", store, "--predictions",
                                       endpoint("predictor")]),
         ServiceSpec("worker", worker, health_checked=False, exits_when_done=not loop),
