@@ -242,9 +242,14 @@ def load_trace(spec: str, traces_dir: str | Path | None = None) -> Trace:
                      f"or the path of a FlashMoE trace file")
 
 
+UNKNOWN_TOKEN = "<unk>"  # a step whose token's text the trace does not hold
+
+
 @dataclass
 class TokenStream:
-    """Per decode step of a trace: what a worker's AccessEvent carries."""
+    """Per decode step of a trace: what a worker's AccessEvent carries. A trace without the
+    tokens' text (warp's) carries ``UNKNOWN_TOKEN`` for them: "" says that a sequence ended,
+    and the feature extractor makes no features for the step after it."""
     sequence: np.ndarray  # (T,) sequence index
     position: np.ndarray  # (T,) step within the sequence
     input_token: list[str]
@@ -260,7 +265,7 @@ class TokenStream:
         for i, n in enumerate(lengths.tolist()):
             words = list(trace.sequences[i].get("generated_only", [])) \
                 if i < len(trace.sequences) else []
-            words = [str(w) for w in words] + [""] * max(0, n + 1 - len(words))
+            words = [str(w) for w in words] + [UNKNOWN_TOKEN] * max(0, n + 1 - len(words))
             inputs += words[:n]
             nexts += words[1:n] + [""]
         return cls(sequence, position, inputs, nexts)

@@ -8,7 +8,8 @@ everything, leaving no process, socket file or shared-memory arena behind.
 What it needs is made on first use, under ``--home`` (default ``.flashmoe/run``): a store of
 random bf16 experts in gpt-oss-20b's shape (``flashmoe synth-store``, at ``DEFAULT_SCALE``: a
 quick store; `flashmoe e2e-bench` makes its own larger one) and a warm-up checkpoint of the
-learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split).
+learned policy (``flashmoe warmup`` on the first ``SAMPLE_TRAIN_TOKENS`` tokens of the train split;
+none for a ``--store`` of another topology: the learner starts cold).
 The worker replays gpt-oss-20b's eval split at a model's pace: the full split where the full
 traces are found (``--traces-dir``, ``traces.dir``, ``../shared/traces``), else the sample
 committed in the project (``gptoss20b-sample``); the run says which.
@@ -128,7 +129,7 @@ def prepare(home: Path, config: FlashMoEConfig, store: str | None, warmup: str |
             f"`flashmoe warmup --store {store} --text FILE --out DIR`, then --warmup DIR)")
         return store, None
     path = home / "warmup"
-    if not warmup_fits(path, config):
+    if not warmup_fits(path, config, shape):
         name = default_traces(traces_dir)[0]
         train = first_sequences(load_trace(name, traces_dir), SAMPLE_TRAIN_TOKENS)
         say(f"[run] warming the learned policy up on {train.n_tokens} tokens of {name} "

@@ -43,3 +43,23 @@ def test_the_main_job_runs_from_a_copy_with_no_shared_traces(tmp_path):
     summary = summary_of(done.stdout)
     assert float(summary["tokens"]) >= 19 and 0.0 < float(summary["hit_rate"]) <= 1.0, summary
     assert (project / ".flashmoe" / "run" / "warmup").exists()
+
+
+def test_a_store_of_another_topology_runs_the_learner_cold(tmp_path):
+    """`flashmoe run` on a store the default warm-up (gpt-oss-20b's routing) does not fit
+    makes no checkpoint of that other shape: the learning services start cold."""
+    from common.config import load_config
+    from common.traces import SAMPLE_DIR
+    from flashmoe.runtime.run import prepare, services
+    from flashmoe.tools.synth_store import synth_store
+
+    store = synth_store(tmp_path / "store", "qwen3-moe-1.7b", scale=0.02, block_size=8192,
+                        parallelism=1, show_progress=False).path  # 16 layers x 64 experts
+    said = []
+    _, warmup = prepare(tmp_path / "home", load_config(env={}), str(store), None,
+                        SAMPLE_DIR.parent, said.append)
+    assert warmup is None and not (tmp_path / "home" / "warmup").exists()
+    assert any("starts cold" in line and "16 x 64" in line for line in said), said
+    specs = services(str(store), warmup, tmp_path, "warp:olmoe", 4, False, 0.0,
+                     lambda service: f"ipc://{tmp_path}/{service}.sock")
+    assert not any("--warmup" in spec.command for spec in specs)

@@ -39,6 +39,20 @@ def test_warp_traces(which, shape):
     assert trace.experts.shape == shape and trace.n_sequences == 1
 
 
+def test_a_token_stream_ends_a_sequence_only_at_its_last_step():
+    """Steps whose text a trace lacks carry UNKNOWN_TOKEN, not "" (which ends a sequence: the
+    feature extractor makes nothing for the step after it)."""
+    from common.traces import UNKNOWN_TOKEN, TokenStream
+
+    experts = np.zeros((5, 2, 1), dtype=np.int16)
+    trace = Trace("t", experts, np.array([0, 3, 5]), 4, "m", None,
+                  [{"generated_only": ["a", "b"]}])  # text for two steps of the first only
+    stream = TokenStream.of(trace)
+    assert stream.input_token == ["a", "b", UNKNOWN_TOKEN, UNKNOWN_TOKEN, UNKNOWN_TOKEN]
+    assert stream.next_token == ["b", UNKNOWN_TOKEN, "", UNKNOWN_TOKEN, ""]
+    assert stream.position.tolist() == [0, 1, 2, 0, 1]
+
+
 def test_trace_file_roundtrip_and_errors(tmp_path):
     experts = np.random.default_rng(0).integers(0, 8, size=(7, 3, 2), dtype=np.int16)
     trace = Trace("t", experts, np.array([0, 3, 7]), 8, "tiny", experts.astype(np.float16),
