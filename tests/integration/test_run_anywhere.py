@@ -59,7 +59,7 @@ def test_a_store_of_another_topology_runs_the_learner_cold(tmp_path):
     _, warmup = prepare(tmp_path / "home", load_config(env={}), str(store), None,
                         SAMPLE_DIR.parent, said.append)
     assert warmup is None and not (tmp_path / "home" / "warmup").exists()
-    assert any("starts cold" in line and "16 x 64" in line for line in said), said
+    assert any("starts cold" in line and "16 MoE layers x 64 experts" in line for line in said), said
     specs = services(str(store), warmup, tmp_path, "warp:olmoe", 4, False, 0.0,
                      lambda service: f"ipc://{tmp_path}/{service}.sock")
     assert not any("--warmup" in spec.command for spec in specs)
