@@ -3,74 +3,25 @@ streams every request to its last token, and the report has the promised keys wi
 values. No timing is asserted."""
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from flashmoe.runtime.launch import child_env, cli_command
+from tests.support.serving import Server
 
 pytestmark = pytest.mark.slow
-READY_S = 45.0
 KEYS = {"concurrency", "requests", "failed", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50",
         "itl_ms_p99", "tpot_ms_p50", "tokens_per_s", "requests_per_s", "hit_rate",
         "stall_free_rate", "router_lookahead_recall", "estimate", "estimates_used",
         "predictor_recall", "max_batch"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL if it is still there after 30 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # anything of the group left behind
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 @pytest.fixture
 def server(tiny_store, tmp_path):
     """A `flashmoe serve` of the tiny store on a free port; its URL once /health is 200."""
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        cli_command("serve", str(tiny_store), "--home", str(tmp_path / "home"),
-                    "--set", f"serve.port={port}", "--set", "panel.port=0",
-                    "--set", "cache.capacity_experts=6"),
-        env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        stop_group(proc)
-        log.close()
+    with Server(tiny_store, tmp_path / "home", "cache.capacity_experts=6") as s:
+        yield s.url
 
 
 def test_serve_bench_streams_every_request_and_reports(server, tmp_path):
