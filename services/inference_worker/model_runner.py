@@ -199,7 +199,7 @@ class StepAborted(RuntimeError):
 
 
 @dataclass
-class _Context:
+class ForwardContext:
     """What one thread's forward keeps: its step group, its meeting, its routing."""
     group: StepGroup
     token: str = ""
@@ -353,7 +353,7 @@ class ModelRunner:
 
     # --- called by ArenaExperts -----------------------------------------------------------
 
-    def context(self) -> _Context:
+    def context(self) -> ForwardContext:
         return self._local.ctx
 
     def look_ahead(self, layer: int, hidden_states: torch.Tensor) -> dict[int, set[int]]:
@@ -382,7 +382,7 @@ class ModelRunner:
         """Run ``ids`` after what ``cache`` (a KV cache, None for a new sequence) holds, in
         ``group``; returns the step's result and the cache. ``token``: the step's input
         token as text. ``all_positions``: the result also has every position's routing."""
-        ctx = self._local.ctx = _Context(group, token)
+        ctx = self._local.ctx = ForwardContext(group, token)
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=torch.tensor([ids]), use_cache=True,

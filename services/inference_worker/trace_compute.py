@@ -16,7 +16,7 @@ import torch
 
 from common.model_families import family_for_config
 
-from .model_runner import ArenaExperts, Fetch, ModelLoadError
+from .model_runner import ArenaExperts, Fetch, ForwardContext, ModelLoadError, StepGroup
 
 
 class TraceExperts:
@@ -35,11 +35,11 @@ class TraceExperts:
         # widening every expert's weights to float32 first would cost three times the product.
         self.dtype = torch.bfloat16
         self.top_k = int(getattr(config, self.family.top_k_key))
-        self.prefill_request_experts = self.top_k
         self.hidden = int(config.hidden_size)
         self.fetch = fetch
         self.token = ""
         self._last_layer: int | None = None
+        self._context: ForwardContext | None = None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype,
                                                      experts_implementation="eager")
@@ -56,8 +56,12 @@ class TraceExperts:
 
     # --- what ArenaExperts asks of its runner -----------------------------------------------
 
-    def record_routing(self, layer: int, top_k_index, top_k_weights) -> None:
-        """The routing is the trace's: nothing to record."""
+    def context(self) -> ForwardContext:
+        return self._context
+
+    def look_ahead(self, layer: int, hidden_states: torch.Tensor) -> dict:
+        """The routing is the trace's: no router to look ahead with."""
+        return {}
 
     def fetch_layer(self, layer: int, experts: list[int]) -> list[dict[str, torch.Tensor]]:
         release = [] if self._last_layer in (None, layer) else [self._last_layer]
@@ -78,6 +82,10 @@ class TraceExperts:
         """One MoE layer: its experts (one AcquireReq) applied to ``hidden``."""
         index = torch.tensor([experts], dtype=torch.long)
         gate = torch.tensor([weights], dtype=self.dtype)
-        out = hidden + self.experts[layer](hidden, index, gate)
+        # One forward alone: one request of the layer's experts, in the trace's order.
+        group = StepGroup(1, self.fetch_layer, self.top_k, self.dtype)
+        self._context = ForwardContext(group, self.token)
+        with group.cond:
+            out = hidden + self.experts[layer](hidden, index, gate)
         return (out.float() * torch.rsqrt(out.float().pow(2).mean(-1, keepdim=True) + 1e-6)
                 ).to(self.dtype)
