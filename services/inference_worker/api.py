@@ -50,7 +50,6 @@ class ServingState:
     cache_stats: Callable[[], dict] = dict  # the cache manager's stats (may raise)
     predictor_stats: Callable[[], dict] = dict
     created: int = field(default_factory=lambda: int(time.time()))
-    ttft_s: list = field(default_factory=list)  # recent figures for /metrics
     metrics: object = None  # a RequestMetrics
 
 

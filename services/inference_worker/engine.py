@@ -178,7 +178,6 @@ class Engine:
                       "lookahead_hinted": 0, "lookahead_hits": 0, "lookahead_samples": 0,
                       "router_lookahead_hints": 0}
         self.lookahead_recent: float | None = None  # running recall of the look-ahead
-        self.on_step: Callable[[dict], None] | None = None  # metrics: per-step figures
 
     # --- any thread -----------------------------------------------------------------------
 
@@ -329,8 +328,6 @@ class Engine:
         now = time.monotonic()
         for seq, (result, cache) in zip(sequences, results):
             self._advance(seq, result, cache, now)
-        if self.on_step is not None:
-            self.on_step({"sequences": len(sequences), "at": now})
 
     def _choose(self, seq: _Sequence, logits: torch.Tensor) -> int:
         p = seq.request.params

@@ -81,7 +81,7 @@ def load_tokenizer(store_path: str | Path):
                          f"checkpoint folder that has its tokenizer files") from None
 
 
-def _same_store(served: ExpertStore, store_path: Path) -> bool:
+def same_store(served: ExpertStore, store_path: Path) -> bool:
     if served.path.resolve() == store_path.resolve():
         return True
     try:
@@ -118,7 +118,7 @@ def generate(store_path: str | Path, prompt: str, max_new_tokens: int, cache_end
         if publisher is not None:
             time.sleep(settle_s)  # the subscribers' time to connect
         with CacheClient(cache_endpoint, config, name=name) as client:
-            if not _same_store(client.store, store_path):
+            if not same_store(client.store, store_path):
                 raise StoreError(f"the cache manager at {cache_endpoint} serves "
                                  f"{client.store.path}, not the store {store_path}")
             runner = ModelRunner(store_path, arena_fetch(client))

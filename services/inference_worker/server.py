@@ -26,12 +26,12 @@ from common.bus import stats as control_stats
 from common.cache_client import CacheClient, CacheManagerUnavailable
 from common.config import FlashMoEConfig
 from common.service import Service, ServiceFailed, run_service_process
-from common.store import ExpertStore, StoreError
+from common.store import StoreError
 
 from .api import ServingState, make_app
 from .engine import Engine
 from .events import EventPublisher
-from .generate import arena_fetch, load_tokenizer
+from .generate import arena_fetch, load_tokenizer, same_store
 from .metrics import RequestMetrics
 from .model_runner import ModelRunner
 
@@ -126,11 +126,9 @@ def build_engine(config: FlashMoEConfig, store: str | Path, connection: Connecti
     and the engine over them."""
     store = Path(store)
     client = connection.client
-    served = client.store
-    if served.path.resolve() != store.resolve() and \
-            ExpertStore.open(store).manifest != served.manifest:
-        raise StoreError(f"the cache manager at {connection.endpoint} serves {served.path}, "
-                         f"not the store {store}")
+    if not same_store(client.store, store):
+        raise StoreError(f"the cache manager at {connection.endpoint} serves "
+                         f"{client.store.path}, not the store {store}")
     tokenizer = load_tokenizer(store)
     runner = ModelRunner(store)
     runner.lookahead = config.prefetch.router_lookahead
