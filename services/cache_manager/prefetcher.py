@@ -13,6 +13,12 @@ P(e | j at m - 1), log mean_j P(e | j at m - 2), log freq, used_last (every P sm
 the long-run frequency with weight ``alpha``); logit = w . features + b[m], with w learned
 online by logistic SGD.
 
+The token table is bounded: at most ``max_token_rows`` input tokens keep a row (about
+``TOKEN_TABLE_BYTES`` in all, between ``MIN_TOKEN_ROWS`` and ``MAX_TOKEN_ROWS`` rows); past that
+the token learned from least recently gives its row to the new one (an LRU of rows), so a
+vocabulary of any size costs a fixed amount of memory while one that fits behaves as if
+unbounded. A worker's token in progress is dropped when the worker goes (``worker_gone``).
+
 After a worker's request for layer l it hints the experts of layer l + 1 whose probability
 reaches ``threshold`` (at most ``per_layer``), so that a wrong guess costs little SSD traffic;
 the cache manager loads them within the prefetch budget and the free queue depth.
@@ -20,11 +26,14 @@ the cache manager loads them within the prefetch budget and the free queue depth
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 FEATURES = 5
+TOKEN_TABLE_BYTES = 64 << 20  # the token table's budget
+MIN_TOKEN_ROWS, MAX_TOKEN_ROWS = 1024, 65536
 
 
 @dataclass(frozen=True)
@@ -41,9 +50,12 @@ class NextLayerPrefetcher:
         self.L, self.E, self.K = num_layers, num_experts, top_k
         self.params = params
         L, E = num_layers, num_experts
-        self.token_row: dict[str, int] = {}
-        self.token_uses = np.zeros((256, L, E), np.float32)
-        self.token_seen = np.zeros(256, np.float32)
+        # token -> its row, least recently learned from first
+        self.token_row: OrderedDict[str, int] = OrderedDict()
+        self.max_token_rows = min(MAX_TOKEN_ROWS, max(MIN_TOKEN_ROWS,
+                                                      TOKEN_TABLE_BYTES // (4 * L * E)))
+        self.token_uses = np.zeros((min(256, self.max_token_rows), L, E), np.float32)
+        self.token_seen = np.zeros(len(self.token_uses), np.float32)
         self.after_prev = np.zeros((L, E, E), np.float32)
         self.prev_seen = np.zeros((L, E), np.float32)
         self.after_prev2 = np.zeros((L, E, E), np.float32)
@@ -60,6 +72,10 @@ class NextLayerPrefetcher:
     def reset(self) -> None:
         """Forget the tokens in progress (the statistics stay)."""
         self._streams.clear()
+
+    def worker_gone(self, worker) -> None:
+        """Forget a worker's token in progress (it went away)."""
+        self._streams.pop(worker, None)
 
     # --- the stream of served requests ------------------------------------------------------
 
@@ -94,6 +110,28 @@ class NextLayerPrefetcher:
 
     def _row(self, token: str) -> int | None:
         return self.token_row.get(token)
+
+    def _token_row_to_learn(self, token: str) -> int:
+        """The token's row, made most recently used; a new token gets a fresh row (the table
+        doubles up to ``max_token_rows``) or, when full, the least recently used one's."""
+        rows = self.token_row
+        row = rows.get(token)
+        if row is not None:
+            rows.move_to_end(token)
+            return row
+        if len(rows) < self.max_token_rows:
+            row = len(rows)
+            if row >= len(self.token_seen):
+                grow = min(len(self.token_seen), self.max_token_rows - len(self.token_seen))
+                self.token_uses = np.concatenate(
+                    [self.token_uses, np.zeros((grow, *self.token_uses.shape[1:]), np.float32)])
+                self.token_seen = np.concatenate([self.token_seen, np.zeros(grow, np.float32)])
+        else:
+            _, row = rows.popitem(last=False)
+            self.token_uses[row] = 0.0
+            self.token_seen[row] = 0.0
+        rows[token] = row
+        return row
 
     def _features(self, stream: dict, m: int) -> np.ndarray:
         a, prior = self.params.alpha, self.slow[m]
@@ -131,12 +169,7 @@ class NextLayerPrefetcher:
             g = p - used[m]
             self.w -= lr * (g @ X) / E * 8
             self.b[m] -= lr * g.mean() * 8
-        row = self._row(stream["token"])
-        if row is None:
-            row = self.token_row[stream["token"]] = len(self.token_row)
-            if row >= len(self.token_seen):
-                self.token_uses = np.concatenate([self.token_uses, np.zeros_like(self.token_uses)])
-                self.token_seen = np.concatenate([self.token_seen, np.zeros_like(self.token_seen)])
+        row = self._token_row_to_learn(stream["token"])
         self.token_uses[row] += used
         self.token_seen[row] += 1
         for counts, seen, lag in ((self.after_prev, self.prev_seen, 1),
