@@ -8,6 +8,13 @@ goes back to the core, whose waiters are passed to ``answer``. An engine that ca
 fails every waiting request with a typed error (``io_timeout`` / ``io_error``) and raises
 ``EngineFailed``: the process exits with ``EXIT_ENGINE_FAILED`` so that a supervisor restarts
 it.
+
+A load that fails on its own (a read error such as EIO, a short read, a checksum mismatch)
+costs only its waiters: they get ``io_error`` / ``checksum``, the slot is freed, and a later
+acquire of that expert reads it again (a transient error heals; a bad block keeps failing that
+expert alone). Each failure is counted (``n_io_error``, ``n_checksum_error``); the log names
+the place (layer, expert, store file, offset) once per expert and kind of failure, so a
+persistent bad block does not flood it (``bad_experts``: how many were reported).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import numpy as np
 from common.arena import Arena
 from common.config import FlashMoEConfig
 from common.service import ServiceFailed
-from common.store import ChecksumError, ExpertStore
+from common.store import ChecksumError, ExpertStore, block_location
 
 from .core import CacheManagerCore, Load, Waiter
 from .io_engine import IOEngineError, IOFaults, open_engine
@@ -115,6 +122,19 @@ class Loads:
         # engine batch id -> the loads it carries: (load, its first op, end)
         self.reads: dict[int, list[tuple[Load, int, int]]] = {}
         self.read_latency_us: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.reported: set[tuple[int, int, str]] = set()  # (layer, expert, code) logged
+        counters["bad_experts"] = 0
+
+    def report(self, load: Load, code: str, where: str) -> str:
+        """Log a failed load once per (expert, code); returns the message for its waiters."""
+        layer, expert = load.key
+        message = f"layer {layer} expert {expert}: {where}"
+        if (layer, expert, code) not in self.reported:
+            self.reported.add((layer, expert, code))
+            self.counters["bad_experts"] = len(self.reported)
+            log.error("%s loading %s (reported once; later failures of it are counted in "
+                      "n_%s)", code, message, "checksum_error" if code == "checksum" else code)
+        return message
 
     def busy(self) -> bool:
         """Reads in flight or checksums pending: the loop must watch the engine's fds."""
@@ -163,11 +183,12 @@ class Loads:
         if not np.array_equal(ops["result"], lengths):
             self.counters["n_io_error"] += 1
             first = ops[ops["result"] != lengths][0]
-            layer, expert = load.key
-            self.finish(load, False, "io_error",
-                        f"layer {layer} expert {expert}: read of stripe "
-                        f"{int(first['file_index'])} returned {int(first['result'])} of "
-                        f"{int(first['length'])} bytes")
+            result = int(first["result"])
+            what = (os.strerror(-result) + f" (errno {-result})" if result < 0
+                    else f"{result} of {int(first['length'])} bytes")
+            self.finish(load, False, "io_error", self.report(
+                load, "io_error", f"read of {self.store.stripe_paths[int(first['file_index'])]} "
+                f"at offset {int(first['file_offset'])}: {what}"))
             return
         self.counters["n_byte_read"] += int(lengths.sum())
         self.read_latency_us.append(
@@ -188,7 +209,10 @@ class Loads:
             self.finish(load, True)
         else:
             self.counters["n_checksum_error"] += 1
-            log.error("%s", error)
+            stripe, offset = block_location(error.block, self.store.manifest.block_size,
+                                            self.store.manifest.parallelism)
+            self.report(load, "checksum", f"checksum mismatch in block {error.block} "
+                        f"({self.store.stripe_paths[stripe]} at offset {offset})")
             self.finish(load, False, "checksum", str(error))
 
     def finish(self, load: Load, ok: bool, code: str = "", message: str = "") -> None:

@@ -113,6 +113,25 @@ class EngineBase:
         self.drain_timeout_s = drain_timeout_s
         self._failure: str | None = None
         self._unclaimed: list[tuple[int, np.ndarray]] = []
+        self._eio_every = 0  # the eio fault: every N-th expert read reports EIO
+        self._expert_reads = 0
+        self.eio_injected = 0
+
+    def _set_eio(self, every: int) -> None:
+        self._eio_every, self._expert_reads = every, 0
+
+    def _inject_eio(self, ready: list[tuple[int, np.ndarray]]) -> None:
+        """The eio fault: every N-th expert read (a run of a batch's ops into one slot)
+        completes with -EIO in its first op, whatever the disk did."""
+        every = self._eio_every
+        for _, ops in ready:
+            slots = ops["buf_index"]
+            starts = np.flatnonzero(np.diff(slots) != 0) + 1 if len(ops) > 1 else []
+            for start in (0, *starts):
+                self._expert_reads += 1
+                if self._expert_reads % every == 0:
+                    ops["result"][start] = -errno.EIO
+                    self.eio_injected += 1
 
     @property
     def failed(self) -> bool:
@@ -142,6 +161,8 @@ class EngineBase:
         self._usable()
         ready = self._unclaimed + self._reap_ready()
         self._unclaimed = []
+        if self._eio_every:
+            self._inject_eio(ready)
         return ready
 
     def check_timeout(self, read_timeout_s: float) -> None:

@@ -7,6 +7,7 @@
   submit_error:N    the next submit fails after (at most) N of its reads went out
   stale:N           N forged completions with bad tags (each counted in ``stats["stale"]``
                     and written nowhere)
+  eio:N             every N-th expert read completes with EIO (both engines, as reaped)
 
 A live process takes them from ``FMIO_FAULT="kind:param[,kind:param]"`` (``IOFaults.from_env``,
 which ``open_engine`` reads when it is given no faults); tests also turn them on and off one by
@@ -37,6 +38,7 @@ class IOFaults:
     short_read: int = 0  # every N-th read comes back SHORT_READ_BYTES short
     submit_error: int = 0  # the next submit fails after at most N of its reads went out
     stale: int = 0  # forged completions with bad tags
+    eio: int = 0  # every N-th expert read completes with EIO
 
     @classmethod
     def parse(cls, spec: str) -> IOFaults:

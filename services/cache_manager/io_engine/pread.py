@@ -223,6 +223,8 @@ class PreadEngine(EngineBase):
                 self._forge_stale(param)
             else:
                 self._faults[kind] = param
+                if kind == "eio":
+                    self._set_eio(param)
 
     def _forge_stale(self, count: int) -> None:
         """Completions that fail each check in turn: unknown batch, op index past the batch,
@@ -243,7 +245,9 @@ class PreadEngine(EngineBase):
 
     @property
     def stats(self) -> dict:
-        return {**self._counters, "faults": {k: v for k, v in self._faults.items() if v}}
+        counters = {**self._counters}
+        counters["faults_injected"] += self.eio_injected
+        return {**counters, "faults": {k: v for k, v in self._faults.items() if v}}
 
     def close(self) -> None:
         if self._efd < 0 and not self._fds:

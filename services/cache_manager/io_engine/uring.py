@@ -204,14 +204,17 @@ class UringEngine(EngineBase):
     def inject_fault(self, kind: str, param: int) -> None:
         self._usable()
         check_fault(kind, param)
-        with self._lock:
-            _check_errno(self._lib.fm_set_fault(self._ring, HELPER_FAULTS[kind], param),
-                         f"setting fault {kind}")
+        if kind == "eio":  # applied to completions as they are reaped (engines' base)
+            self._set_eio(param)
+        else:
+            with self._lock:
+                _check_errno(self._lib.fm_set_fault(self._ring, HELPER_FAULTS[kind], param),
+                             f"setting fault {kind}")
         self._faults[kind] = param
 
     def _read_counters(self) -> dict:
         return {"stale": self._lib.fm_stale_count(self._ring),
-                "faults_injected": self._lib.fm_faults_injected(self._ring)}
+                "faults_injected": self._lib.fm_faults_injected(self._ring) + self.eio_injected}
 
     @property
     def stats(self) -> dict:
