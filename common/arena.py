@@ -151,6 +151,19 @@ class Arena:
             os.close(fd)
         return cls(name, path, mm, slot_bytes, n_slots, owner=False)
 
+    def missing(self) -> str | None:
+        """Owner side: why the arena's /dev/shm file is no longer this arena (removed, e.g. by
+        systemd's ``RemoveIPC=yes``, or replaced by another file), or None while it is. New
+        workers attach by name, so a missing file means none can."""
+        if self._lock_fd is None:
+            return "the arena is closed"
+        try:
+            if os.path.samestat(os.fstat(self._lock_fd), os.lstat(self.path)):
+                return None
+        except FileNotFoundError:
+            return f"{self.path} was removed"
+        return f"{self.path} was replaced by another file"
+
     def slot(self, index: int) -> memoryview:
         if not 0 <= index < self.n_slots:
             raise IndexError(f"slot {index} out of range [0, {self.n_slots})")
@@ -173,7 +186,7 @@ class Arena:
             self.mmap.close()
         except BufferError:
             pass  # views handed out are still alive; the mapping goes with the process
-        if self.owner:
+        if self.owner and self.missing() is None:  # never another's file of the same name
             self.path.unlink(missing_ok=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)

@@ -1,7 +1,8 @@
 """Socket plumbing shared by every FlashMoE process: the one place for ZeroMQ details.
 
 - ``make_socket``: linger, a hard message-size cap, ZMTP heartbeats (``ipc.heartbeat_*``: a
-  peer that stops answering pings is disconnected), ipc socket files in a 0700 runtime folder.
+  peer that stops answering pings is disconnected), ipc socket files in a 0700 runtime folder,
+  never taken from a live listener (``EndpointInUse``).
 - ``Inbox``: typed receive; a bad frame is counted (``rejected_<code>``) and reported, never
   raised past the loop.
 - ``PeerWatch``: which ROUTER peer went away (a closed connection, or missed heartbeats), so a
@@ -15,9 +16,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -85,12 +88,38 @@ def _ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
+class EndpointInUse(OSError):
+    """Another live process listens on an ipc endpoint this one was to bind."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(errno.EADDRINUSE, f"{endpoint}: another process is listening on it "
+                         f"(a second instance?); stop it or choose another endpoint")
+        self.endpoint = endpoint
+
+
+def claim_ipc_path(path: Path, endpoint: str) -> None:
+    """Remove ``path`` before binding only if it is stale: a socket file nothing answers on
+    (a dead process's). A live listener raises EndpointInUse; the file is left alone."""
+    if not os.path.lexists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.fspath(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise EndpointInUse(endpoint)
+
+
 def make_socket(ctx: zmq.Context, kind: int, config: FlashMoEConfig, *, bind: str | None = None,
                 connect: str | None = None, linger_ms: int = 1000,
                 options: Mapping[int, int] | None = None) -> zmq.Socket:
     """A socket with FlashMoE's options (and ``options``, set before bind/connect); ``bind``
-    makes the ipc folder (0700) first. ROUTER/PUB keep ``linger_ms`` so a last ``Dead``
-    still goes out."""
+    makes the ipc folder (0700) first and takes over an ipc socket file only if nothing
+    answers on it (``claim_ipc_path``: EndpointInUse otherwise). ROUTER/PUB keep
+    ``linger_ms`` so a last ``Dead`` still goes out."""
     sock = ctx.socket(kind)
     for option, value in (options or {}).items():
         sock.setsockopt(option, value)
@@ -107,7 +136,7 @@ def make_socket(ctx: zmq.Context, kind: int, config: FlashMoEConfig, *, bind: st
             if path is not None:
                 if not path.parent.exists():
                     path.parent.mkdir(mode=0o700, parents=True)
-                path.unlink(missing_ok=True)  # a socket file left by a dead process
+                claim_ipc_path(path, bind)  # a socket file left by a dead process goes
             sock.bind(bind)
             if path is not None:
                 os.chmod(path, 0o600)
@@ -343,6 +372,9 @@ class ControlServer:
         if isinstance(message, ProtocolError):
             return Rejected(message.code, str(message)[:4000])
         if isinstance(message, HealthReq):
+            own = self._extra.get(HealthReq)  # a service's own health check, if it has one
+            if own is not None:
+                return own(message)
             return HealthRep(message.seq, self.service, os.getpid(), self._state(),
                              round(time.monotonic() - self._started, 3))
         with self._lock:

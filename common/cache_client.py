@@ -8,7 +8,26 @@ per layer: ``acquire(layer, experts, release_layers=[...])`` drops the named lay
 the same message. Every wait is bounded: no reply within ``ipc.acquire_timeout_s`` (or a
 ``Dead`` from the manager, or a closed connection) raises ``CacheManagerUnavailable``; the
 client is unusable after that. ZMTP heartbeats (``ipc.heartbeat_*``) keep an idle client alive
-in the manager's eyes; a client that stops answering them loses its pins.
+in the manager's eyes; a client that stops answering them (a frozen process: SIGSTOP, ``docker
+pause``) loses its pins.
+
+The errors a caller sees (never a raw ``ProtocolError``):
+  - ``CacheManagerUnavailable``: no reply in time, ``Dead``, a closed connection, a message the
+    client cannot read. The client is unusable: make a new ``CacheClient`` (a new handshake)
+    and redo the step.
+  - ``PinsLost`` (a ``CacheManagerUnavailable``): the manager dropped this client (missed
+    heartbeats) or the connection closed; the slots it was given may now hold other experts.
+    A step computed since its last reply must be redone with a new client. ``lost()`` tells
+    it cheaply (no round trip) before a step's result is used.
+  - ``ExpertLoadError``: one acquire failed (a checksum or IO error, or a request the model
+    does not fit: unknown layer or expert); that acquire only, the client stays usable.
+  - ``RequestRefused``: the manager refused a release of a layer the model lacks; the client
+    stays usable.
+  - ``ShapeMismatch`` (a ``ConfigMismatch``): the ``shape`` given does not match the store the
+    manager serves; raised by the constructor.
+
+The DEALER's routing id is chosen here (random), so the same client is recognised when its
+connection comes back after a freeze and is told ``pins_lost`` instead of ``unexpected``.
 """
 
 from __future__ import annotations
@@ -32,7 +51,29 @@ PEER_CHECK_MS = 50  # longest a wait goes without looking at the connection's st
 
 
 class CacheManagerUnavailable(RuntimeError):
-    """The cache manager did not answer in time, or said it is dead."""
+    """The cache manager did not answer in time, or said it is dead: make a new client."""
+
+
+class PinsLost(CacheManagerUnavailable):
+    """The manager dropped this client (missed heartbeats) or its connection closed: its pins
+    are gone and its slots may hold other experts. Make a new client and redo the step."""
+
+
+class ShapeMismatch(ConfigMismatch):
+    """The model shape a client expects differs from the store the manager serves."""
+
+    def __init__(self, message: str) -> None:
+        RuntimeError.__init__(self, message)
+        self.sections = ["shape"]
+
+
+class RequestRefused(ValueError):
+    """The manager refused one request that does not fit the model (``code``); nothing
+    changed and the client stays usable."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
 
 
 class ExpertLoadError(RuntimeError):
@@ -45,12 +86,16 @@ class ExpertLoadError(RuntimeError):
 
 class CacheClient:
     def __init__(self, endpoint: str, config: FlashMoEConfig | None = None,
-                 name: str = "worker") -> None:
+                 name: str = "worker", shape: dict | None = None) -> None:
+        """``shape``: ``{"layers", "experts", "top_k", "expert_bytes"}`` the worker expects
+        (a key absent or 0 is not compared); a store of another shape raises ShapeMismatch."""
         digests = config.section_digests() if config is not None else {}
         self.config = config or FlashMoEConfig()
         self.endpoint = endpoint
         self.ctx = zmq.Context()
-        self.send_to_cache = make_socket(self.ctx, zmq.DEALER, self.config, linger_ms=0)
+        # A routing id of our own (never starting with a zero byte, which ZeroMQ reserves).
+        self.send_to_cache = make_socket(self.ctx, zmq.DEALER, self.config, linger_ms=0,
+                                         options={zmq.ROUTING_ID: b"w" + os.urandom(15)})
         self.send_to_cache.connect(endpoint)
         # A dead manager closes the ipc connection: fail at once instead of at the timeout.
         self.peer_events = self.send_to_cache.get_monitor_socket(
@@ -61,10 +106,12 @@ class CacheClient:
         # The decode step being served, as the seq of the AccessEvent this worker publishes
         # for it (-1: none); the worker sets it before each step's acquires.
         self.step = -1
-        self.broken: str | None = None
+        self.broken: str | None = None  # why the client is unusable
+        self.broken_as: type[Exception] = CacheManagerUnavailable  # raised again on each call
         self.arena: Arena | None = None
         try:
-            self.send_to_cache.send(encode(Hello(name, os.getpid(), digests)))
+            self.send_to_cache.send(encode(Hello(name, os.getpid(), digests,
+                                                 {k: int(v) for k, v in (shape or {}).items()})))
             ready = self._wait(Ready, None, self.config.ipc.handshake_timeout_s,
                                "ipc.handshake_timeout_s")
             self.ready = ready
@@ -77,7 +124,7 @@ class CacheClient:
 
     def _wait(self, expected: type, seq: int | None, timeout_s: float, setting: str) -> Message:
         if self.broken:
-            raise CacheManagerUnavailable(self.broken)
+            raise self.broken_as(self.broken)
         deadline = time.monotonic() + timeout_s
         sock = self.send_to_cache
         while True:
@@ -109,12 +156,7 @@ class CacheClient:
             self.broken = f"cache manager is dead: {message.reason}"
             raise CacheManagerUnavailable(self.broken)
         if isinstance(message, Rejected):
-            if message.code == "config_mismatch":
-                mismatch = ConfigMismatch(message.message.split(","),
-                                          f"the cache manager at {self.endpoint}")
-                self.broken = str(mismatch)
-                raise mismatch
-            raise ProtocolError(message.code, message.message)
+            self._rejected(message)
         if seq is not None and getattr(message, "seq", seq) != seq:
             return None
         if isinstance(message, AcquireError) and expected is AcquireRep:
@@ -122,18 +164,58 @@ class CacheClient:
                                   list(message.experts))
         return message if isinstance(message, expected) else None
 
+    def _rejected(self, message: Rejected) -> None:
+        """A ``Rejected`` as the typed error it stands for."""
+        code, text = message.code, message.message
+        if code == "config_mismatch":
+            error = ConfigMismatch(text.split(","), f"the cache manager at {self.endpoint}")
+        elif code == "shape_mismatch":
+            error = ShapeMismatch(f"the cache manager at {self.endpoint}: {text}")
+        elif code == "unknown_layer":
+            raise RequestRefused(code, text)
+        elif code in ("pins_lost", "unexpected"):
+            # unexpected: a manager that does not know this client (a restarted one).
+            error = PinsLost(f"the cache manager at {self.endpoint} dropped this client "
+                             f"({code}: {text}); its pins are lost: make a new CacheClient "
+                             f"and redo the step")
+        else:
+            error = CacheManagerUnavailable(f"the cache manager at {self.endpoint} refused a "
+                                            f"request ({code}: {text})")
+        self.broken = str(error)
+        if isinstance(error, CacheManagerUnavailable):
+            self.broken_as = type(error)
+        raise error
+
+    def lost(self) -> bool:
+        """Whether this client's pins can no longer be trusted (its connection closed, or an
+        error made it unusable): cheap and local, no round trip. A worker checks it after
+        computing a step on acquired slots and before using the result; the definitive word
+        is the next reply (``PinsLost``)."""
+        if self.broken:
+            return True
+        try:
+            self._check_peer_events()
+        except CacheManagerUnavailable:
+            return True
+        return False
+
     def _check_peer_events(self) -> None:
         while self.peer_events.poll(0):
             event = recv_monitor_message(self.peer_events)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
-                self.broken = f"the cache manager at {self.endpoint} went away (connection closed)"
-                raise CacheManagerUnavailable(self.broken)
+                self.broken = (f"the cache manager at {self.endpoint} went away or dropped this "
+                               f"client (connection closed); its pins are lost: make a new "
+                               f"CacheClient and redo the step")
+                self.broken_as = PinsLost
+                raise PinsLost(self.broken)
 
     def _request(self, message: Message, expected: type, seq: int) -> Message:
         if self.broken:
-            raise CacheManagerUnavailable(self.broken)
+            raise self.broken_as(self.broken)
+        if self.peer_events.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a poll
+            self._check_peer_events()
         sock = self.send_to_cache
         sock.send(encode(message))
         if sock.poll(PEER_CHECK_MS):  # the usual case: the answer within the first slice
@@ -167,7 +249,7 @@ class CacheClient:
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Ask for experts ahead of use; no reply, nobody waits."""
         if self.broken:
-            raise CacheManagerUnavailable(self.broken)
+            raise self.broken_as(self.broken)
         self.send_to_cache.send(encode(PrefetchHint(layer, list(experts))))
 
     def release(self, layers=None) -> None:

@@ -29,13 +29,16 @@ import msgspec
 # 4: the control socket's ConfigReq/Rep, TuneReq/Rep and ResidencyReq/Rep (the control panel).
 # 5: AcquireReq.step (which decode step a request serves, in AccessEvent seq numbers).
 # 6: AccessEvent.prefill (a prompt position's routing, not a decode step's).
-SCHEMA_VERSION = 6
+# 7: Hello.shape (the model shape a worker expects; the manager refuses another).
+SCHEMA_VERSION = 7
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
 LayerIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
 ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
 Digests = Annotated[dict[ShortText, ShortText], msgspec.Meta(max_length=64)]
+# layers | experts | top_k | expert_bytes -> value; a key absent or 0 is not compared
+ModelShape = Annotated[dict[ShortText, NonNeg], msgspec.Meta(max_length=16)]
 
 
 class Message(msgspec.Struct, array_like=True, tag=True, frozen=True):
@@ -48,6 +51,7 @@ class Hello(Message):
     worker_name: ShortText  # free-form name for logs and stats
     pid: NonNeg  # worker process id
     config_digests: Digests  # FlashMoEConfig.section_digests() of the sender; {} = none
+    shape: ModelShape = {}  # the model shape the sender expects; {} = not compared
 
 
 class Ready(Message):
@@ -82,7 +86,9 @@ class AcquireRep(Message):
 class AcquireError(Message):
     seq: NonNeg  # echo of AcquireReq.seq
     layer: NonNeg
-    # checksum | unknown_expert | no_free_slot | io_error | io_timeout | not_ready
+    # checksum | io_error | io_timeout | no_free_slot (the load or the room failed);
+    # unknown_layer | unknown_expert | duplicate_expert | too_many_experts (refused: the
+    # request does not fit the model; nothing changed)
     code: ShortText
     message: ShortText  # human-readable detail
     experts: list[NonNeg]  # the experts the error is about
@@ -112,7 +118,9 @@ class StatsRep(Message):
 
 
 class Rejected(Message):
-    # malformed | wrong_version | oversized | unexpected | config_mismatch | unsupported
+    # malformed | wrong_version | oversized | unexpected | config_mismatch | unsupported |
+    # shape_mismatch (Hello's shape differs) | pins_lost (the manager dropped this worker:
+    # missed heartbeats; Hello again) | unknown_layer (a Release of a layer the model lacks)
     code: ShortText
     message: ShortText
 

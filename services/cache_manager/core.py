@@ -228,7 +228,9 @@ class CacheManagerCore:
             if unknown:
                 raise AcquireFailed("unknown_expert",
                                     f"layer {layer} has no expert(s) {unknown}", unknown)
-        policy = self.policies[None if self.scope == "global" else layer]
+        policy = self.policies.get(None if self.scope == "global" else layer)
+        if policy is None:
+            raise AcquireFailed("unknown_layer", f"layer {layer} has no experts", [])
         if self._layer_aware:
             policy.on_request(layer, experts, step)
         prefetched_unused = self.prefetched_unused

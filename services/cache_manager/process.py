@@ -19,35 +19,70 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import numpy as np
 import zmq
 
 from common.arena import Arena
-from common.bus import Inbox, PeerWatch, SeqGaps, Subscriber, handshake_mismatch, make_socket
+from common.bus import (EndpointInUse, Inbox, PeerWatch, SeqGaps, Subscriber, handshake_mismatch,
+                        make_socket)
 from common.config import ConfigError, FlashMoEConfig
-from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, Hello, LearningMessage,
+from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, HealthRep, HealthReq,
+                             Hello, LearningMessage,
                              PoliciesRep, PoliciesReq, Prediction, PrefetchHint, ProtocolError,
                              Ready, Rejected, Release, Released, ResidencyRep, ResidencyReq,
                              StatsRep, StatsReq, WorkerToCache, encode)
-from common.service import Service, State, run_service_process
+from common.service import Service, ServiceFailed, State, run_service_process
 from common.store import ExpertStore
 from common.threads import limit_threads
 
 from .core import AcquireFailed, CacheManagerCore, Waiter
 from .io_engine import IOEngineError
-from .loads import EXIT_ENGINE_FAILED, EngineFailed, Loads, percentile_us
+from .loads import EXIT_ENGINE_FAILED, Loads, percentile_us
 from .policies import PolicyError
 from .policies.scored import VARIANTS
 from .tuning import Tuning, live_policies
 
-__all__ = ["EXIT_ENGINE_FAILED", "CacheManager", "run_cache_manager_process"]
+__all__ = ["EXIT_ARENA_LOST", "EXIT_ENGINE_FAILED", "CacheManager", "run_cache_manager_process"]
 
 POLL_MS = 100
 PREDICTION_CHECK_S = 0.005  # how often an idle loop looks for a new Prediction and its age
+ARENA_CHECK_S = 1.0  # how often the loop checks that the arena's /dev/shm file is still there
 # What a worker and the cache manager must agree on (the handshake compares these sections).
 HANDSHAKE_SECTIONS = ("store", "cache", "ipc")
+SHAPE_KEYS = ("layers", "experts", "top_k", "expert_bytes")
+# Refusals counted in the stats as refused_<code> (present from the start, at 0).
+REFUSALS = ("unknown_layer", "unknown_expert", "duplicate_expert", "too_many_experts",
+            "pins_lost", "shape_mismatch")
+DROPPED_KEPT = 4096  # identities of dropped workers remembered (to answer them pins_lost)
+EXIT_ARENA_LOST = 4
+
+
+class ArenaLost(ServiceFailed):
+    """The arena's /dev/shm file was removed or replaced: new workers could not attach."""
+
+    exit_code = EXIT_ARENA_LOST
+    what = "the loss of the arena"
+
+
+class Refusal(Exception):
+    """A request that does not fit the model; ``code`` is counted as refused_<code>."""
+
+    def __init__(self, code: str, message: str, experts: list[int] = ()) -> None:
+        super().__init__(message)
+        self.code, self.experts = code, list(experts)
+
+
+def model_shape(manifest) -> dict[str, int]:
+    return {"layers": len(manifest.moe_layers), "experts": manifest.num_experts,
+            "top_k": manifest.top_k, "expert_bytes": manifest.max_expert_bytes}
+
+
+def shape_differs(mine: dict[str, int], theirs: dict[str, int]) -> list[str]:
+    """The keys of ``theirs`` (given and non-zero) whose value differs from ``mine``; an
+    unknown key counts as differing."""
+    return [key for key, value in theirs.items() if value and mine.get(key) != value]
 
 
 class CacheManager(Service):
@@ -56,6 +91,19 @@ class CacheManager(Service):
     def __init__(self, config: FlashMoEConfig, endpoint: str, control_endpoint: str,
                  predictions: list[str] = ()) -> None:
         super().__init__(config, control_endpoint)
+        self.arena = self.loads = self.recv_from_workers = self.peers = None
+        self.predictions = None
+        try:
+            self.set_up(config, endpoint, list(predictions))
+        except BaseException:
+            # Whatever was made goes (a SIGTERM during set-up raises too): no arena, ring or
+            # socket outlives a start that failed.
+            self.close_sockets()
+            self.ctx.term()
+            self.close_resources()
+            raise
+
+    def set_up(self, config: FlashMoEConfig, endpoint: str, predictions: list[str]) -> None:
         self.store = ExpertStore.open(config.store.path)
         n_slots = config.cache.capacity_experts
         # The core first: a bad policy, parameter or scope fails before any arena or ring.
@@ -74,29 +122,37 @@ class CacheManager(Service):
                              rejected_oversized=0, rejected_unexpected=0,
                              rejected_config_mismatch=0, n_byte_read=0, n_checksum_error=0,
                              n_io_error=0, n_acquire=0, n_prefetch_hint=0, workers_gone=0,
-                             requests_cancelled=0)
-        try:
-            self.loads = Loads(config, self.store, self.arena, self.core, self.counters,
-                               self.answer)
-        except IOEngineError:
-            self.arena.close()
-            raise
+                             requests_cancelled=0,
+                             **{f"refused_{code}": 0 for code in REFUSALS})
+        self.loads = Loads(config, self.store, self.arena, self.core, self.counters,
+                           self.answer)
         self.inbox = Inbox(WorkerToCache, config.ipc.max_message_bytes, self.counters, "workers")
-        self.recv_from_workers = make_socket(self.ctx, zmq.ROUTER, config, bind=endpoint)
+        # ROUTER_HANDOVER: a worker whose connection comes back (after a freeze) with its own
+        # routing id is heard at once, and told pins_lost.
+        try:
+            self.recv_from_workers = make_socket(self.ctx, zmq.ROUTER, config, bind=endpoint,
+                                                 options={zmq.ROUTER_HANDOVER: 1})
+        except EndpointInUse as exc:
+            raise ServiceFailed(f"cannot serve workers: {exc.strerror}") from None
         self.peers = PeerWatch(self.recv_from_workers)
         self.endpoint = endpoint
         self.workers: dict[bytes, str] = {}
+        self.dropped: OrderedDict[bytes, str] = OrderedDict()  # dropped workers, newest last
         self.section_digests = config.section_digests()
         manifest = self.store.manifest
+        self.shape = model_shape(manifest)
         self.moe_layers = list(manifest.moe_layers)
         self.layer_position = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.num_experts = manifest.num_experts
         self.tuning = Tuning(config, self.core, len(self.moe_layers), manifest.num_experts,
                              manifest.top_k)
-        self.predictions = Subscriber(self.ctx, config, list(predictions), LearningMessage,
-                                      self.counters, "predictions") if predictions else None
+        if predictions:
+            self.predictions = Subscriber(self.ctx, config, predictions, LearningMessage,
+                                          self.counters, "predictions")
         self.prediction_gaps = SeqGaps(Counter())
         self.popularity = np.zeros((len(self.moe_layers), manifest.num_experts), np.float32)
         self.estimate_at: float | None = None  # when the estimate in use arrived
+        self.arena_lost: str | None = None  # why the arena is gone, once it is
         self.handlers = {Hello: self.handle_hello, AcquireReq: self.handle_acquire,
                          PrefetchHint: self.handle_prefetch, Release: self.handle_release,
                          StatsReq: self.handle_stats}
@@ -130,7 +186,7 @@ class CacheManager(Service):
         verifier_fd = loads.verifier.fileno()
         poller.register(verifier_fd, zmq.POLLIN)
         predictions = self.predictions
-        next_tick = next_prediction_check = time.monotonic()
+        next_tick = next_prediction_check = next_arena_check = time.monotonic()
         while self.state is State.RUNNING:
             if loads.busy():
                 events = dict(poller.poll(POLL_MS))
@@ -164,15 +220,36 @@ class CacheManager(Service):
                 if identity is None or now >= next_tick:
                     next_tick = now + POLL_MS / 1000
                     self.check_peers()
+                    if now >= next_arena_check or self.arena_lost:
+                        next_arena_check = now + ARENA_CHECK_S
+                        self.check_arena()
                 if self.predictions is not None and now >= next_prediction_check:
                     next_prediction_check = now + PREDICTION_CHECK_S
                     self.take_predictions()
+
+    def check_arena(self) -> None:
+        """Raise ArenaLost (the process exits, a supervisor restarts it with a fresh arena)
+        once the arena's /dev/shm file is gone or replaced: no new worker could attach."""
+        lost = self.arena_lost or self.arena.missing()
+        if lost is not None:
+            self.arena_lost = lost
+            self.state = State.FAILED
+            raise ArenaLost(f"{lost}: workers can no longer attach to the arena")
+
+    def handle_health(self, msg: HealthReq) -> HealthRep:
+        """Health on the control thread, with the arena's file checked: ``failed`` once it is
+        gone (the loop then exits at its next tick)."""
+        if self.arena_lost is None:
+            self.arena_lost = self.arena.missing()
+        state = "failed" if self.arena_lost else self.state.value
+        return HealthRep(msg.seq, self.name, os.getpid(), state,
+                         round(time.monotonic() - self.started, 3))
 
     def on_exit(self, error: Exception | None) -> None:
         """The ``Dead`` sentinel to every known worker."""
         if error is None:
             self.broadcast_dead("cache manager shut down")
-        elif isinstance(error, EngineFailed):
+        elif isinstance(error, ServiceFailed):
             self.broadcast_dead(f"cache manager failed: {error}")
         else:
             self.broadcast_dead(f"cache manager crashed: {error!r}")
@@ -245,8 +322,14 @@ class CacheManager(Service):
             self.check_peers()
             self.handle_hello(identity, message, body)
         elif identity not in self.workers:
-            self.counters["rejected_unexpected"] += 1
-            self.send(identity, Rejected("unexpected", "send Hello before anything else"))
+            if identity in self.dropped:
+                self.counters["refused_pins_lost"] += 1
+                self.send(identity, Rejected(
+                    "pins_lost", f"worker {self.dropped[identity]} was dropped (its connection "
+                    f"closed or missed heartbeats): its pins are gone; send Hello again"))
+            else:
+                self.counters["rejected_unexpected"] += 1
+                self.send(identity, Rejected("unexpected", "send Hello before anything else"))
         else:
             self.handlers[type(message)](identity, message)
 
@@ -273,14 +356,19 @@ class CacheManager(Service):
             self.send(identity, Dead(reason[:4000]))
 
     def close_sockets(self) -> None:
+        """(Also after a set-up that failed part way: only what was made.)"""
         if self.predictions is not None:
             self.predictions.close()
-        self.peers.close()
-        self.recv_from_workers.close()
+        if self.peers is not None:
+            self.peers.close()
+        if self.recv_from_workers is not None:
+            self.recv_from_workers.close()
 
     def close_resources(self) -> None:
-        self.loads.close()  # drains reads still in flight before the arena goes
-        self.arena.close()
+        if self.loads is not None:
+            self.loads.close()  # drains reads still in flight before the arena goes
+        if self.arena is not None:
+            self.arena.close()
 
     # --- worker requests ----------------------------------------------------------------
 
@@ -293,6 +381,15 @@ class CacheManager(Service):
                              msg.pid, ", ".join(differ))
             self.send(identity, Rejected("config_mismatch", ",".join(differ)))
             return
+        if shape_differs(self.shape, msg.shape):
+            self.counters["refused_shape_mismatch"] += 1
+            text = (f"the worker expects a model of shape {dict(msg.shape)}, the store "
+                    f"{self.store.path} has {self.shape}")
+            self.log.warning("refused worker %s[%d]: %s", msg.worker_name, msg.pid, text)
+            self.send(identity, Rejected("shape_mismatch", text[:4000]))
+            return
+        self.worker_gone(identity)  # a second Hello starts a new session: the old pins go
+        self.dropped.pop(identity, None)
         self.workers[identity] = f"{msg.worker_name}[{msg.pid}]"
         self.peers.remember(identity, frame)
         self.log.info("worker %s connected", self.workers[identity])
@@ -304,18 +401,58 @@ class CacheManager(Service):
         name = self.workers.pop(identity, None)
         if name is None:
             return
+        self.dropped[identity] = name
+        if len(self.dropped) > DROPPED_KEPT:
+            self.dropped.popitem(last=False)
         cancelled = self.core.drop_worker(identity)
+        prefetcher = self.tuning.prefetcher
+        if prefetcher is not None:
+            prefetcher.worker_gone(identity)
         self.counters["workers_gone"] += 1
         self.counters["requests_cancelled"] += cancelled
         self.log.info("worker %s went away; its pins are dropped", name)
 
+    def check_request(self, layer: int, experts: list[int], release_layers=()) -> int:
+        """The position of ``layer`` among the MoE layers, once the request fits the model:
+        else a Refusal (before anything changes). One dict look-up and a max() on the hot
+        path; the rest only for requests of more than one expert."""
+        position = self.layer_position.get(layer)
+        if position is None:
+            raise Refusal("unknown_layer", f"layer {layer} is not a MoE layer of the store "
+                          f"(its MoE layers: {self.moe_layers[:4]}...{self.moe_layers[-1:]})")
+        if experts:
+            n, E = len(experts), self.num_experts
+            if n > E:
+                raise Refusal("too_many_experts", f"{n} experts requested, layer {layer} has "
+                              f"{E}")
+            if max(experts) >= E:
+                bad = [e for e in experts if e >= E]
+                raise Refusal("unknown_expert", f"layer {layer} has experts 0..{E - 1}, not "
+                              f"{bad[:16]}", bad[:16])
+            if n > 1 and len(set(experts)) != n:
+                raise Refusal("duplicate_expert", f"expert ids repeat in {experts[:32]}")
+        for released in release_layers:
+            if released not in self.layer_position:
+                raise Refusal("unknown_layer", f"release of layer {released}, not a MoE layer "
+                              f"of the store")
+        return position
+
+    def refused(self, identity: bytes, exc: Refusal, what: str) -> None:
+        self.counters[f"refused_{exc.code}"] += 1
+        self.log.debug("refused %s from %s: %s", what, self.workers.get(identity), exc)
+
     def handle_acquire(self, identity: bytes, msg: AcquireReq) -> None:
         self.counters["n_acquire"] += 1
-        position = self.layer_position.get(msg.layer)
-        if position is not None:
-            counts = self.popularity[position]
-            for expert in msg.experts:  # (np.add.at costs more than this loop for a few)
-                counts[expert] += 1.0
+        try:
+            position = self.check_request(msg.layer, msg.experts, msg.release_layers)
+        except Refusal as exc:
+            self.refused(identity, exc, "an acquire")
+            self.send(identity, AcquireError(msg.seq, msg.layer, exc.code, str(exc)[:4000],
+                                             exc.experts))
+            return
+        counts = self.popularity[position]
+        for expert in msg.experts:  # (np.add.at costs more than this loop for a few)
+            counts[expert] += 1.0
         try:
             # A worker's step numbers the events it publishes, from 0 per worker: with more
             # than one worker they say nothing of each other (nor which events an estimate
@@ -333,16 +470,20 @@ class CacheManager(Service):
             self.loads.start(loads, together=True)
         prefetcher = self.tuning.prefetcher
         if prefetcher is not None:
-            position = self.layer_position.get(msg.layer)
-            if position is not None:
-                cfg = self.config.prefetch
-                hint = self.core.inline_may_hint(cfg.learned, cfg.inline_with_learned)
-                prefetcher.after_request(self.core, identity, position, msg.experts,
-                                         msg.token, self.moe_layers, hint=hint)
+            cfg = self.config.prefetch
+            hint = self.core.inline_may_hint(cfg.learned, cfg.inline_with_learned)
+            prefetcher.after_request(self.core, identity, position, msg.experts,
+                                     msg.token, self.moe_layers, hint=hint)
         self.prefetch_ahead()
 
     def handle_prefetch(self, identity: bytes, msg: PrefetchHint) -> None:
+        """No reply: a hint that does not fit the model is dropped and counted."""
         self.counters["n_prefetch_hint"] += 1
+        try:
+            self.check_request(msg.layer, msg.experts)
+        except Refusal as exc:
+            self.refused(identity, exc, "a prefetch hint")
+            return
         self.core.hint(msg.layer, msg.experts)
         self.issue_prefetches()
 
@@ -359,6 +500,12 @@ class CacheManager(Service):
             self.loads.start(self.core.issue_prefetches(self.loads.free_depth_experts()))
 
     def handle_release(self, identity: bytes, msg: Release) -> None:
+        unknown = [layer for layer in msg.layers if layer not in self.layer_position]
+        if unknown:
+            self.refused(identity, Refusal("unknown_layer", ""), "a release")
+            self.send(identity, Rejected("unknown_layer", f"release of layer(s) {unknown[:16]}, "
+                                         f"not MoE layers of the store; nothing released"))
+            return
         self.core.release(identity, msg.layers or None)
         self.send(identity, Released(msg.seq))
 
@@ -371,7 +518,8 @@ class CacheManager(Service):
         return self.tuning.tune(changes, check)
 
     def control_handlers(self) -> dict:
-        return {ResidencyReq: self.handle_residency, PoliciesReq: self.handle_policies}
+        return {ResidencyReq: self.handle_residency, PoliciesReq: self.handle_policies,
+                HealthReq: self.handle_health}
 
     def handle_residency(self, msg: ResidencyReq) -> ResidencyRep:
         L, E = len(self.moe_layers), self.store.manifest.num_experts

@@ -1,0 +1,247 @@
+"""The cache manager against hostile and unlucky workers, as a real process over real ipc
+sockets: requests that do not fit the model, a model of another shape, a frozen worker, a
+second instance on the same endpoint, its arena removed, failed reads. Every one gets a typed
+answer and the manager goes on (or, for the arena, exits for its supervisor to restart it)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common.arena import SHM_DIR
+from common.bus import health
+from common.cache_client import (CacheClient, ExpertLoadError, PinsLost, RequestRefused,
+                                 ShapeMismatch)
+from common.protocol import AcquireError, AcquireReq, CacheToWorker, Decoder, Hello, encode
+from flashmoe.runtime.launch import start_cache_manager, stop_process
+from services.cache_manager.process import EXIT_ARENA_LOST
+from tests.fault.test_faults import flip_byte
+from tests.support.uring import uring_available
+
+URING_OK, URING_WHY = uring_available()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def raw_request(endpoint: str, message, wait_ms: int = 5000):
+    """Hello, then ``message`` from a bare DEALER; the decoded reply (None: none came)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    decoder = Decoder(CacheToWorker, max_bytes=1 << 20)
+    try:
+        sock.send(encode(Hello("hostile", os.getpid(), {})))
+        assert sock.poll(wait_ms), "no Ready"
+        decoder.decode(sock.recv())
+        sock.send(encode(message))
+        return decoder.decode(sock.recv()) if sock.poll(wait_ms) else None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_out_of_range_expert_gets_a_typed_error_and_the_manager_lives(tiny_store,
+                                                                      start_manager):
+    """(Before: an IndexError in the popularity counters killed the manager.)"""
+    manager = start_manager(tiny_store)
+    reply = raw_request(manager.endpoint, AcquireReq(1, 0, [10_000]))
+    assert isinstance(reply, AcquireError) and reply.code == "unknown_expert"
+    assert reply.experts == [10_000] and reply.seq == 1
+    with CacheClient(manager.endpoint) as client:
+        assert len(client.acquire(0, [1, 2])) == 2
+        stats = client.stats()
+    assert manager.proc.poll() is None
+    assert stats["refused_unknown_expert"] == 1 and stats["n_hit"] + stats["n_miss"] == 2
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_requests_that_do_not_fit_the_model_are_refused_by_code(scope, tiny_store,
+                                                                start_manager):
+    """(Before: with cache.scope=layer an unknown layer raised KeyError in the core.)"""
+    manager = start_manager(tiny_store, f"cache.scope={scope}", "prefetch.budget=4")
+    with CacheClient(manager.endpoint) as client:
+        for layer, experts, code in [(7, [0], "unknown_layer"), (7, [], "unknown_layer"),
+                                     (0, [8], "unknown_expert"), (1, [2, 2], "duplicate_expert"),
+                                     (0, list(range(9)), "too_many_experts")]:
+            with pytest.raises(ExpertLoadError) as info:
+                client.acquire(layer, experts)
+            assert info.value.code == code, (layer, experts)
+        with pytest.raises(ExpertLoadError) as info:
+            client.acquire(0, [1], release_layers=[5])
+        assert info.value.code == "unknown_layer"
+        with pytest.raises(RequestRefused) as refused:
+            client.release([9])
+        assert refused.value.code == "unknown_layer"
+        client.prefetch(0, [99])  # no reply: dropped and counted
+        client.prefetch(4, [1])
+        assert client.acquire(1, [3, 4]) and not client.lost()  # still usable
+        stats = client.stats()
+    assert manager.proc.poll() is None
+    assert stats["refused_unknown_layer"] == 4 + 1
+    assert stats["refused_unknown_expert"] == 2
+    assert stats["refused_duplicate_expert"] == stats["refused_too_many_experts"] == 1
+    assert stats["n_miss"] == 2 and stats["prefetch_issued"] == 0 and stats["pinned"] == 2
+
+
+def test_handshake_compares_the_model_shape(tiny_store, start_manager):
+    manager = start_manager(tiny_store)
+    with CacheClient(manager.endpoint, shape={"layers": 2, "experts": 8, "top_k": 2,
+                                              "expert_bytes": 0}) as client:
+        assert client.acquire(0, [1])
+    with pytest.raises(ShapeMismatch) as info:
+        CacheClient(manager.endpoint, shape={"layers": 2, "experts": 128, "top_k": 2})
+    text = str(info.value)
+    assert "'experts': 128" in text and "'experts': 8" in text  # both shapes named
+    assert manager.stats()["refused_shape_mismatch"] == 1
+
+
+FROZEN_WORKER = textwrap.dedent("""
+    import sys
+    from common.cache_client import CacheClient
+    client = CacheClient(sys.argv[1], name="frozen")
+    client.acquire(0, [0, 1])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    lost = client.lost()
+    try:
+        client.acquire(1, [2, 3])
+        print("acquired", lost, flush=True)
+    except Exception as exc:
+        print(type(exc).__name__, lost, flush=True)
+    client.close()
+""")
+
+
+def test_frozen_worker_is_told_its_pins_are_lost(tiny_store, start_manager):
+    """SIGSTOP past the heartbeat timeout, then SIGCONT: the worker's next request raises
+    PinsLost (before: a raw ProtocolError from Rejected 'unexpected')."""
+    manager = start_manager(tiny_store, "ipc.heartbeat_interval_s=0.1",
+                            "ipc.heartbeat_timeout_s=0.5")
+    worker = subprocess.Popen([sys.executable, "-c", FROZEN_WORKER, manager.endpoint],
+                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        assert manager.stats()["pinned"] == 2
+        worker.send_signal(signal.SIGSTOP)
+        manager.wait_for(lambda s: s["workers_gone"] == 1 and s["pinned"] == 0,
+                         what="the frozen worker dropped")
+        worker.send_signal(signal.SIGCONT)
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        outcome = worker.stdout.readline().split()
+        assert worker.wait(60) == 0
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        worker.kill()
+        worker.wait()
+    assert outcome[0] == PinsLost.__name__, outcome
+    assert manager.proc.poll() is None
+
+
+def test_second_manager_refuses_a_live_endpoint_and_takes_a_stale_one(tiny_store, tmp_path,
+                                                                      start_manager):
+    """(Before: the second manager unlinked the live socket and silently took the endpoint.)"""
+    first = start_manager(tiny_store)
+    with CacheClient(first.endpoint):
+        pass
+    log = tmp_path / "second.log"
+    with open(log, "w") as out:
+        second = start_cache_manager(tiny_store, first.endpoint, log_file=out,
+                                     control_endpoint=f"ipc://{tmp_path}/second.control.sock")
+        try:
+            rc = second.wait(60)
+        finally:
+            stop_process(second)
+    assert rc != 0 and "another process is listening" in log.read_text()
+    assert first.endpoint[len("ipc://"):] in log.read_text()
+    with CacheClient(first.endpoint) as client:  # the first one still has it
+        assert client.stats()["pid"] == first.proc.pid
+    # A socket file nobody listens on (a dead process's) is taken over.
+    stale = tmp_path / "stale.sock"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.bind(str(stale))
+    probe.close()
+    with open(tmp_path / "third.log", "w") as out:
+        third = start_cache_manager(tiny_store, f"ipc://{stale}", log_file=out)
+        try:
+            with CacheClient(f"ipc://{stale}") as client:
+                assert client.acquire(0, [1])
+        finally:
+            assert stop_process(third) == 0
+
+
+def test_removed_arena_makes_the_manager_exit_for_a_restart(tiny_store, start_manager):
+    """(Before: the manager stayed 'healthy' while no new worker could attach.)"""
+    manager = start_manager(tiny_store)
+    with CacheClient(manager.endpoint) as client:
+        arena = SHM_DIR / client.ready.arena_name
+    assert health(manager.control).state == "running"
+    arena.unlink()
+    try:
+        state = health(manager.control).state
+    except Exception:  # it may be gone already
+        state = "failed"
+    assert state == "failed"
+    assert manager.proc.wait(30) == EXIT_ARENA_LOST
+    assert "removed" in manager.log()
+
+
+@pytest.mark.parametrize("engine", ["pread", "uring"])
+def test_eio_costs_the_request_and_a_later_acquire_reads_again(engine, tiny_store,
+                                                               start_manager):
+    if engine == "uring" and not URING_OK:
+        pytest.skip(f"io_uring helper unavailable: {URING_WHY}")
+    manager = start_manager(tiny_store, f"io.engine={engine}", env={"FMIO_FAULT": "eio:3"})
+    failed = []
+    with CacheClient(manager.endpoint) as client:
+        for expert in range(8):
+            for attempt in range(3):
+                try:
+                    client.acquire(0, [expert])
+                    break
+                except ExpertLoadError as exc:
+                    assert exc.code == "io_error" and exc.experts == [expert]
+                    failed.append(expert)
+            else:
+                pytest.fail(f"expert {expert} never loaded")
+        stats = client.stats()
+    assert len(failed) >= 2 and stats["n_io_error"] == len(failed)
+    assert stats["resident"] == 8 and manager.proc.poll() is None
+    assert "Input/output error" in manager.log() and "stripe_" in manager.log()
+
+
+def test_a_bad_block_is_reported_once_with_its_place(store_copy, start_manager):
+    flip_byte(store_copy, 1, 3, block_index=0)
+    manager = start_manager(store_copy)
+    with CacheClient(manager.endpoint) as client:
+        for _ in range(4):
+            with pytest.raises(ExpertLoadError) as info:
+                client.acquire(1, [3])
+            assert info.value.code == "checksum"
+        assert client.acquire(1, [2])
+        stats = client.stats()
+    assert stats["n_checksum_error"] == 4 and stats["bad_experts"] == 1
+    reports = [line for line in manager.log().splitlines() if "layer 1 expert 3" in line]
+    assert len(reports) == 1, reports
+    assert "stripe_" in reports[0] and "offset" in reports[0]
+
+
+def test_failed_set_up_leaves_no_arena(tiny_store, tmp_path):
+    """An ipc path over the 107 characters AF_UNIX allows fails the bind after the arena and
+    the IO engine were made (before: the arena stayed in /dev/shm)."""
+    from common.config import load_config
+    from services.cache_manager.process import CacheManager
+
+    config = load_config(env={}, overrides=[f"store.path={tiny_store}"])
+    mine = f"flashmoe-{os.getpid()}-"
+    before = {p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine)}
+    long_dir = tmp_path / ("d" * 120)
+    with pytest.raises(zmq.ZMQError):
+        CacheManager(config, f"ipc://{long_dir}/cache.sock", f"ipc://{tmp_path}/c.sock")
+    assert {p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine)} == before
