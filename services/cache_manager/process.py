@@ -5,7 +5,14 @@ completion fd and the checksum verifier's fd. Nothing in the loop waits on the d
 submits its reads and parks the request (the decision core keeps it), other workers' hits are
 answered meanwhile, and each completed expert is checksum-verified before its waiters are
 answered (``loads.py``). Workers that went away (closed connection, missed heartbeats) are
-found by a connection monitor on the loop's tick. The control socket (health, stats, tuning
+found by a connection monitor on the loop's tick; their routing ids are remembered
+(``DROPPED_KEPT``) so that one that comes back (a frozen process resumed) is told
+``pins_lost``. Every request is checked against the model (``check_request``) before it
+touches state, and a refusal is answered with its code and counted (``refused_<code>``); a
+Hello may carry the model shape the worker expects, and another shape is refused. The arena's
+/dev/shm file is checked on the tick (``ARENA_CHECK_S``) and on every health request: gone or
+replaced, the process exits with ``EXIT_ARENA_LOST`` for its supervisor to restart it with a
+fresh arena. A set-up that fails releases what it made. The control socket (health, stats, tuning
 (``tuning.py``), residency, policy choices) is served on a thread of its own under
 ``self.lock`` (common/service.py).
 
