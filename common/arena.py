@@ -3,6 +3,11 @@
 The cache manager creates and owns it (its IO engine reads blocks straight into slots); worker
 processes attach read-only and compute from zero-copy numpy / torch views of a slot.
 
+After the slots, one uint64 per slot counts the loads into it (``generations``): the owner
+bumps a slot's count before each read into it, so a worker that noted the counts of its slots
+when it acquired them can tell, locally and exactly, whether any of them has been given to
+another expert since (``CacheClient.lost``).
+
 An arena is named ``<prefix>-<owner pid>-<8 hex digits>``, and its owner holds an exclusive
 ``flock`` on it for its life: ``sweep_stale_arenas`` removes the arenas a crashed owner left
 behind, and the lock keeps it off the live arena of an owner whose pid it cannot see (another
@@ -108,12 +113,20 @@ def _reserve(fd: int, size: int) -> None:
             f"{SHM_DIR} more room (docker: shm_size)") from None
 
 
+def arena_bytes(slot_bytes: int, n_slots: int) -> int:
+    """The arena file's size: the slots, then the slots' load counts (page-rounded)."""
+    return slot_bytes * n_slots + round_up(8 * n_slots, ALIGN)
+
+
 class Arena:
     def __init__(self, name: str, path: Path, mm: mmap.mmap, slot_bytes: int, n_slots: int,
                  owner: bool, lock_fd: int | None = None) -> None:
         self.name, self.path, self.mmap = name, path, mm
         self.slot_bytes, self.n_slots, self.owner = slot_bytes, n_slots, owner
         self.view = memoryview(mm)
+        # Loads into each slot so far (the owner bumps them; see the module docstring).
+        start = slot_bytes * n_slots
+        self.generations = self.view[start:start + 8 * n_slots].cast("Q")
         self._lock_fd = lock_fd  # the owner's open file, flock-ed while the arena lives
 
     @classmethod
@@ -124,11 +137,11 @@ class Arena:
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        size = arena_bytes(slot_bytes, n_slots)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            _reserve(fd, slot_bytes * n_slots)
-            mm = mmap.mmap(fd, slot_bytes * n_slots, mmap.MAP_SHARED,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
+            _reserve(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             path.unlink(missing_ok=True)
             os.close(fd)
@@ -142,11 +155,10 @@ class Arena:
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
-            if size < slot_bytes * n_slots:
-                raise ValueError(f"arena {name} is {size} bytes, expected "
-                                 f"{slot_bytes * n_slots}")
-            mm = mmap.mmap(fd, slot_bytes * n_slots, mmap.MAP_SHARED, mmap.PROT_READ)
+            size, expected = os.fstat(fd).st_size, arena_bytes(slot_bytes, n_slots)
+            if size < expected:
+                raise ValueError(f"arena {name} is {size} bytes, expected {expected}")
+            mm = mmap.mmap(fd, expected, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         return cls(name, path, mm, slot_bytes, n_slots, owner=False)
@@ -181,6 +193,7 @@ class Arena:
         return expert_torch_views(self.slot(index), entry)
 
     def close(self) -> None:
+        self.generations.release()
         self.view.release()
         try:
             self.mmap.close()

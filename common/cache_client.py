@@ -108,6 +108,8 @@ class CacheClient:
         self.step = -1
         self.broken: str | None = None  # why the client is unusable
         self.broken_as: type[Exception] = CacheManagerUnavailable  # raised again on each call
+        # layer -> (its slots, their load counts when acquired): what lost() checks
+        self.held: dict[int, tuple[list[int], list[int]]] = {}
         self.arena: Arena | None = None
         try:
             self.send_to_cache.send(encode(Hello(name, os.getpid(), digests,
@@ -187,12 +189,21 @@ class CacheClient:
         raise error
 
     def lost(self) -> bool:
-        """Whether this client's pins can no longer be trusted (its connection closed, or an
-        error made it unusable): cheap and local, no round trip. A worker checks it after
-        computing a step on acquired slots and before using the result; the definitive word
-        is the next reply (``PinsLost``)."""
+        """Whether a slot this client holds was given to another expert since it was acquired
+        (the manager dropped this client and reused it), the connection closed, or an error
+        made the client unusable: local, no round trip (the arena's per-slot load counts).
+        A worker checks it after computing on acquired slots and before using the result;
+        when it is True, the result may be wrong: make a new client and redo the step."""
         if self.broken:
             return True
+        generations = self.arena.generations
+        for slots, seen in self.held.values():
+            for slot, count in zip(slots, seen):
+                if generations[slot] != count:
+                    self.broken = (f"slot {slot} was reloaded while this client held it (the "
+                                   f"cache manager at {self.endpoint} dropped this client)")
+                    self.broken_as = PinsLost
+                    return True
         try:
             self._check_peer_events()
         except CacheManagerUnavailable:
@@ -236,8 +247,15 @@ class CacheClient:
         ``token``: the decode step's input token, context for the manager's prefetcher; the
         request also carries ``self.step`` (the worker sets it: ``AcquireReq.step``)."""
         self.seq = seq = self.seq + 1
-        return self._request(AcquireReq(seq, layer, experts, release_layers, token, self.step),
-                             AcquireRep, seq).slots
+        held = self.held
+        for released in release_layers:
+            held.pop(released, None)
+        held.pop(layer, None)  # (a failed acquire leaves the layer unpinned)
+        slots = self._request(AcquireReq(seq, layer, experts, release_layers, token, self.step),
+                              AcquireRep, seq).slots
+        generations = self.arena.generations
+        held[layer] = (slots, [generations[slot] for slot in slots])
+        return slots
 
     def acquire_tensors(self, layer: int, experts: list[int], release_layers=(),
                         token: str = "") -> list[dict]:
@@ -256,6 +274,11 @@ class CacheClient:
         """Drop the pins of ``layers`` (every layer when None)."""
         seq = self._next_seq()
         self._request(Release(seq, list(layers or [])), Released, seq)
+        if layers:
+            for layer in layers:
+                self.held.pop(layer, None)
+        else:
+            self.held.clear()
 
     def stats(self) -> dict:
         seq = self._next_seq()

@@ -152,6 +152,9 @@ class Loads:
         batch for all of them (one submission, one completion: a demand request waits for
         all its experts anyway, and a miss costs one system call instead of one per expert).
         Prefetches go one by one, so that each is usable as soon as its own reads are in."""
+        generations = self.arena.generations
+        for load in loads:  # before the read: a worker still holding the slot can tell
+            generations[load.slot] += 1
         for group in ([loads] if together and len(loads) > 1 else [[load] for load in loads]):
             ops, ends = self.store.read_ops_batch([(*load.key, load.slot) for load in group])
             try:

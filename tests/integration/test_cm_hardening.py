@@ -118,10 +118,11 @@ FROZEN_WORKER = textwrap.dedent("""
 
 
 def test_frozen_worker_is_told_its_pins_are_lost(tiny_store, start_manager):
-    """SIGSTOP past the heartbeat timeout, then SIGCONT: the worker's next request raises
-    PinsLost (before: a raw ProtocolError from Rejected 'unexpected')."""
+    """SIGSTOP past the heartbeat timeout, its slots given to other experts, then SIGCONT:
+    ``lost()`` says so at once, with no round trip, and the worker's next request raises
+    PinsLost (before: no lost(), and a raw ProtocolError from Rejected 'unexpected')."""
     manager = start_manager(tiny_store, "ipc.heartbeat_interval_s=0.1",
-                            "ipc.heartbeat_timeout_s=0.5")
+                            "ipc.heartbeat_timeout_s=0.5", "cache.capacity_experts=4")
     worker = subprocess.Popen([sys.executable, "-c", FROZEN_WORKER, manager.endpoint],
                               cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -131,6 +132,8 @@ def test_frozen_worker_is_told_its_pins_are_lost(tiny_store, start_manager):
         worker.send_signal(signal.SIGSTOP)
         manager.wait_for(lambda s: s["workers_gone"] == 1 and s["pinned"] == 0,
                          what="the frozen worker dropped")
+        with CacheClient(manager.endpoint) as other:  # 4 new experts in 4 slots: all reused
+            other.acquire(1, [4, 5, 6, 7])
         worker.send_signal(signal.SIGCONT)
         worker.stdin.write("go\n")
         worker.stdin.flush()
@@ -140,7 +143,7 @@ def test_frozen_worker_is_told_its_pins_are_lost(tiny_store, start_manager):
         worker.send_signal(signal.SIGCONT)
         worker.kill()
         worker.wait()
-    assert outcome[0] == PinsLost.__name__, outcome
+    assert outcome == [PinsLost.__name__, "True"], outcome
     assert manager.proc.poll() is None
 
 
@@ -245,3 +248,31 @@ def test_failed_set_up_leaves_no_arena(tiny_store, tmp_path):
     with pytest.raises(zmq.ZMQError):
         CacheManager(config, f"ipc://{long_dir}/cache.sock", f"ipc://{tmp_path}/c.sock")
     assert {p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine)} == before
+
+
+def test_lost_is_false_while_pins_hold_and_through_failed_acquires(store_copy, start_manager):
+    """No false alarm: slots reloaded after this client let them go (a release, a new
+    acquire of the layer, a failed load) do not count; its pinned slots never are."""
+    flip_byte(store_copy, 1, 3, block_index=0)
+    manager = start_manager(store_copy, "cache.capacity_experts=4")
+
+    def churn(other):  # the two slots this client does not pin are reloaded again and again
+        for expert in (4, 5, 6, 7):
+            other.acquire(1, [expert])
+
+    with CacheClient(manager.endpoint) as client, CacheClient(manager.endpoint) as other:
+        client.acquire(0, [0, 1])
+        churn(other)
+        assert not client.lost()
+        client.acquire(0, [2], release_layers=[0])
+        client.release()
+        churn(other)
+        assert not client.lost()
+        client.acquire(0, [0])
+        with pytest.raises(ExpertLoadError):  # (1, 3) fails its checksum
+            client.acquire(1, [3])
+        churn(other)
+        with pytest.raises(RequestRefused):
+            client.release([9])
+        assert not client.lost()
+        assert client.acquire(0, [1], release_layers=[1]) and not client.lost()

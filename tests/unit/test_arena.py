@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from common import arena as arena_module
-from common.arena import Arena, ArenaSpaceError, sweep_stale_arenas
+from common.arena import Arena, ArenaSpaceError, arena_bytes, sweep_stale_arenas
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_too_small_shm_fails_at_creation_with_sizes_and_a_remedy(shm_dir, monkey
         Arena.create(1000, 1 << 20)
     message = str(err.value)
     fs = os.statvfs(shm_dir)
-    assert f"{1000 << 20} bytes (0.98 GiB) wanted" in message
+    assert f"{arena_bytes(1 << 20, 1000)} bytes (0.98 GiB) wanted" in message
     assert f"{fs.f_bavail * fs.f_frsize} bytes" in message and "free" in message
     assert "cache.capacity_experts" in message and "shm_size" in message
     assert err.value.errno == errno.ENOSPC
@@ -128,3 +128,17 @@ def test_sweep_with_another_prefix(shm_dir):
         (shm_dir / name).write_bytes(b"")
     assert sweep_stale_arenas(prefix="bench") == [f"bench-{dead}-0123abcd"]
     assert [p.name for p in shm_dir.iterdir()] == [f"flashmoe-{dead}-0123abcd"]
+
+
+def test_slot_load_counts_are_shared_and_outside_the_slots():
+    arena = Arena.create(3, 4096)
+    worker = Arena.attach(arena.name, arena.slot_bytes, arena.n_slots)
+    try:
+        arena.slot(2)[:] = b"\xff" * 4096
+        assert list(worker.generations) == [0, 0, 0]
+        arena.generations[1] += 1
+        assert list(worker.generations) == [0, 1, 0]
+        assert os.stat(arena.path).st_size == arena_bytes(4096, 3) > 3 * 4096
+    finally:
+        worker.close()
+        arena.close()
