@@ -6,6 +6,8 @@ variant skips with the reason where the helper or io_uring is missing):
 - short_read: the kernel really returns fewer bytes for exactly the reads that were cut;
 - submit_error: a submit fails after some of its reads went out -> the error is raised only
   after every read in flight was drained, unfinished reads hold -ECANCELED;
+- eio: every N-th expert read (a run of ops into one slot) completes with -EIO, the others
+  untouched, whether reaped or read;
 - stale: forged completions with bad tags, and reads that land after a timed-out drain, are
   counted and written nowhere;
 - close with reads in flight drains them.
@@ -119,6 +121,27 @@ def test_short_read_shortens_exactly_the_reads_it_cut(setup, kind):
     assert (again["result"] == again["length"]).all()
     for slot, key in enumerate(store.keys()[:4]):
         store.verify_expert_bytes(*key, arena.slot(slot))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eio_fails_every_nth_expert_read(setup, kind):
+    store, arena, engine = setup(kind, 4)
+    engine.inject_fault("eio", 3)
+    ops = experts_ops(store, 6)
+    engine.read(ops)
+    failed = [slot for slot in range(6) if (ops["result"][ops["buf_index"] == slot] < 0).any()]
+    assert failed == [2, 5]
+    for slot in failed:
+        mine = ops[ops["buf_index"] == slot]
+        assert mine["result"][0] == -errno.EIO and (mine["result"][1:] == mine["length"][1:]).all()
+    ok = ~np.isin(ops["buf_index"], failed)
+    assert (ops["result"][ok] == ops["length"][ok]).all()
+    assert engine.stats["faults_injected"] == 2 and engine.stats["faults"] == {"eio": 3}
+    engine.inject_fault("eio", 0)
+    again = experts_ops(store, 6)
+    batch = engine.submit(again)
+    wait_until(lambda: any(done == batch for done, _ in engine.reap()))
+    assert (again["result"] == again["length"]).all() and not engine.failed
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -159,10 +159,11 @@ class EngineBase:
 
     def reap(self) -> list[tuple[int, np.ndarray]]:
         self._usable()
-        ready = self._unclaimed + self._reap_ready()
-        self._unclaimed = []
+        fresh = self._reap_ready()
         if self._eio_every:
-            self._inject_eio(ready)
+            self._inject_eio(fresh)
+        ready = self._unclaimed + fresh
+        self._unclaimed = []
         return ready
 
     def check_timeout(self, read_timeout_s: float) -> None:
@@ -179,6 +180,8 @@ class EngineBase:
         poller.register(self.fileno(), select.POLLIN)
         while True:
             ready = self._reap_ready()
+            if self._eio_every:
+                self._inject_eio(ready)
             self._unclaimed += [done for done in ready if done[0] != batch_id]
             if any(done[0] == batch_id for done in ready):
                 return
