@@ -106,7 +106,7 @@ class CacheManager(Service):
             # Whatever was made goes (a SIGTERM during set-up raises too): no arena, ring or
             # socket outlives a start that failed.
             self.close_sockets()
-            self.ctx.term()
+            self.ctx.destroy(linger=0)  # (closes a socket a half-made part left open)
             self.close_resources()
             raise
 

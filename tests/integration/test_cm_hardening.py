@@ -276,3 +276,21 @@ def test_lost_is_false_while_pins_hold_and_through_failed_acquires(store_copy, s
             client.release([9])
         assert not client.lost()
         assert client.acquire(0, [1], release_layers=[1]) and not client.lost()
+
+
+def test_interrupted_set_up_leaves_no_arena(tiny_store, tmp_path, monkeypatch):
+    """A signal that raises during set-up (common/service.py makes SIGTERM do so then) after
+    the arena and the IO engine were made: both go (BaseException, not only Exception)."""
+    from common.config import load_config
+    from services.cache_manager import process
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(process, "make_socket", interrupted)
+    config = load_config(env={}, overrides=[f"store.path={tiny_store}"])
+    mine = f"flashmoe-{os.getpid()}-"
+    before = {p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine)}
+    with pytest.raises(KeyboardInterrupt):
+        process.CacheManager(config, f"ipc://{tmp_path}/cache.sock", f"ipc://{tmp_path}/c.sock")
+    assert {p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine)} == before
