@@ -147,6 +147,45 @@ def test_frozen_worker_is_told_its_pins_are_lost(tiny_store, start_manager):
     assert manager.proc.poll() is None
 
 
+def test_a_dropped_worker_that_comes_back_is_told_pins_lost(tiny_store, start_manager):
+    """Its connection gone (as after missed heartbeats), a worker that reconnects with its
+    routing id gets Rejected('pins_lost'), not 'unexpected'; a new Hello makes it a worker
+    again."""
+    from common.protocol import Ready, Rejected
+
+    manager = start_manager(tiny_store)
+    routing_id = b"w" + os.urandom(15)
+    decoder = Decoder(CacheToWorker, max_bytes=1 << 20)
+    ctx = zmq.Context()
+    try:
+        first = ctx.socket(zmq.DEALER)
+        first.setsockopt(zmq.ROUTING_ID, routing_id)
+        first.connect(manager.endpoint)
+        first.send(encode(Hello("w", os.getpid(), {})))
+        assert first.poll(10_000) and isinstance(decoder.decode(first.recv()), Ready)
+        first.send(encode(AcquireReq(1, 0, [1, 2])))
+        assert first.poll(10_000) and decoder.decode(first.recv()).seq == 1
+        first.close(0)
+        manager.wait_for(lambda s: s["workers_gone"] == 1 and s["pinned"] == 0,
+                         what="the worker dropped")
+        again = ctx.socket(zmq.DEALER)
+        again.setsockopt(zmq.ROUTING_ID, routing_id)
+        again.connect(manager.endpoint)
+        again.send(encode(AcquireReq(2, 0, [1, 2])))
+        assert again.poll(10_000)
+        reply = decoder.decode(again.recv())
+        assert isinstance(reply, Rejected) and reply.code == "pins_lost", reply
+        again.send(encode(Hello("w", os.getpid(), {})))
+        assert again.poll(10_000) and isinstance(decoder.decode(again.recv()), Ready)
+        again.send(encode(AcquireReq(3, 0, [1, 2])))
+        assert again.poll(10_000) and decoder.decode(again.recv()).seq == 3
+        again.close(0)
+    finally:
+        ctx.destroy(linger=0)
+    stats = manager.stats()
+    assert stats["refused_pins_lost"] == 1 and stats["rejected_unexpected"] == 0
+
+
 def test_second_manager_refuses_a_live_endpoint_and_takes_a_stale_one(tiny_store, tmp_path,
                                                                       start_manager):
     """(Before: the second manager unlinked the live socket and silently took the endpoint.)"""
