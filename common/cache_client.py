@@ -225,8 +225,6 @@ class CacheClient:
     def _request(self, message: Message, expected: type, seq: int) -> Message:
         if self.broken:
             raise self.broken_as(self.broken)
-        if self.peer_events.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a poll
-            self._check_peer_events()
         sock = self.send_to_cache
         sock.send(encode(message))
         if sock.poll(PEER_CHECK_MS):  # the usual case: the answer within the first slice
