@@ -31,10 +31,12 @@ ACQUIRE_CODES = {"unknown_layer", "unknown_expert", "duplicate_expert", "too_man
 U64 = 2**64 - 1
 
 
-@pytest.fixture(scope="module")
-def manager(tiny_store, tmp_path_factory):
+@pytest.fixture(scope="module", params=["lru", "flashmoe"])
+def manager(request, tiny_store, tmp_path_factory):
+    """One manager per policy: flashmoe is layer-aware (it reads each request's layer and step)."""
     runtime = tmp_path_factory.mktemp("hostile")
-    handle = ManagerHandle(tiny_store, runtime, ["cache.capacity_experts=6", "prefetch.budget=2"])
+    handle = ManagerHandle(tiny_store, runtime, ["cache.capacity_experts=6", "prefetch.budget=2",
+                                                 f"cache.policy={request.param}"])
     yield handle
     assert handle.proc.poll() is None, handle.log()[-2000:]
     assert handle.stop() == 0
@@ -123,6 +125,7 @@ def test_after_the_storm_a_normal_client_is_served(manager, peer):
     with CacheClient(manager.endpoint) as client:
         assert len(client.acquire(0, [1, 2])) == 2
         stats = client.stats()
+    assert stats["policy"] in ("lru", "flashmoe")
     assert stats["resident"] + stats["loading"] <= stats["capacity"] == 6
     assert stats["pinned"] <= 2 and manager.proc.poll() is None
     refused = sum(v for k, v in stats.items() if k.startswith("refused_"))
