@@ -58,7 +58,6 @@ PREDICTION_CHECK_S = 0.005  # how often an idle loop looks for a new Prediction 
 ARENA_CHECK_S = 1.0  # how often the loop checks that the arena's /dev/shm file is still there
 # What a worker and the cache manager must agree on (the handshake compares these sections).
 HANDSHAKE_SECTIONS = ("store", "cache", "ipc")
-SHAPE_KEYS = ("layers", "experts", "top_k", "expert_bytes")
 # Refusals counted in the stats as refused_<code> (present from the start, at 0).
 REFUSALS = ("unknown_layer", "unknown_expert", "duplicate_expert", "too_many_experts",
             "pins_lost", "shape_mismatch")
