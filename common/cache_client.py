@@ -18,7 +18,8 @@ The errors a caller sees (never a raw ``ProtocolError``):
   - ``PinsLost`` (a ``CacheManagerUnavailable``): the manager dropped this client (missed
     heartbeats) or the connection closed; the slots it was given may now hold other experts.
     A step computed since its last reply must be redone with a new client. ``lost()`` tells
-    it cheaply (no round trip) before a step's result is used.
+    it exactly and cheaply (no round trip: the arena's per-slot load counts) before a step's
+    result is used.
   - ``ExpertLoadError``: one acquire failed (a checksum or IO error, or a request the model
     does not fit: unknown layer or expert); that acquire only, the client stays usable.
   - ``RequestRefused``: the manager refused a release of a layer the model lacks; the client
