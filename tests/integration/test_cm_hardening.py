@@ -47,7 +47,7 @@ def raw_request(endpoint: str, message, wait_ms: int = 5000):
 
 def test_out_of_range_expert_gets_a_typed_error_and_the_manager_lives(tiny_store,
                                                                       start_manager):
-    """(Before: an IndexError in the popularity counters killed the manager.)"""
+    """What ../shared/checks/hardening sends: a bare peer's expert 10,000 of a layer of 8."""
     manager = start_manager(tiny_store)
     reply = raw_request(manager.endpoint, AcquireReq(1, 0, [10_000]))
     assert isinstance(reply, AcquireError) and reply.code == "unknown_expert"
@@ -62,7 +62,7 @@ def test_out_of_range_expert_gets_a_typed_error_and_the_manager_lives(tiny_store
 @pytest.mark.parametrize("scope", ["global", "layer"])
 def test_requests_that_do_not_fit_the_model_are_refused_by_code(scope, tiny_store,
                                                                 start_manager):
-    """(Before: with cache.scope=layer an unknown layer raised KeyError in the core.)"""
+    """In both scopes (layer scope has one policy per layer: an unknown layer has none)."""
     manager = start_manager(tiny_store, f"cache.scope={scope}", "prefetch.budget=4")
     with CacheClient(manager.endpoint) as client:
         for layer, experts, code in [(7, [0], "unknown_layer"), (7, [], "unknown_layer"),
@@ -120,7 +120,7 @@ FROZEN_WORKER = textwrap.dedent("""
 def test_frozen_worker_is_told_its_pins_are_lost(tiny_store, start_manager):
     """SIGSTOP past the heartbeat timeout, its slots given to other experts, then SIGCONT:
     ``lost()`` says so at once, with no round trip, and the worker's next request raises
-    PinsLost (before: no lost(), and a raw ProtocolError from Rejected 'unexpected')."""
+    PinsLost."""
     manager = start_manager(tiny_store, "ipc.heartbeat_interval_s=0.1",
                             "ipc.heartbeat_timeout_s=0.5", "cache.capacity_experts=4")
     worker = subprocess.Popen([sys.executable, "-c", FROZEN_WORKER, manager.endpoint],
@@ -188,7 +188,7 @@ def test_a_dropped_worker_that_comes_back_is_told_pins_lost(tiny_store, start_ma
 
 def test_second_manager_refuses_a_live_endpoint_and_takes_a_stale_one(tiny_store, tmp_path,
                                                                       start_manager):
-    """(Before: the second manager unlinked the live socket and silently took the endpoint.)"""
+    """The live one keeps its endpoint; the second exits naming it."""
     first = start_manager(tiny_store)
     with CacheClient(first.endpoint):
         pass
@@ -219,7 +219,8 @@ def test_second_manager_refuses_a_live_endpoint_and_takes_a_stale_one(tiny_store
 
 
 def test_removed_arena_makes_the_manager_exit_for_a_restart(tiny_store, start_manager):
-    """(Before: the manager stayed 'healthy' while no new worker could attach.)"""
+    """Health says failed and the process exits with its own status (no worker could
+    attach to an arena whose file is gone)."""
     manager = start_manager(tiny_store)
     with CacheClient(manager.endpoint) as client:
         arena = SHM_DIR / client.ready.arena_name
@@ -276,7 +277,7 @@ def test_a_bad_block_is_reported_once_with_its_place(store_copy, start_manager):
 
 def test_failed_set_up_leaves_no_arena(tiny_store, tmp_path):
     """An ipc path over the 107 characters AF_UNIX allows fails the bind after the arena and
-    the IO engine were made (before: the arena stayed in /dev/shm)."""
+    the IO engine were made: the arena goes too."""
     from common.config import load_config
     from services.cache_manager.process import CacheManager
 

@@ -14,7 +14,7 @@ def serve_token(p, worker, token, rng):
 
 
 def test_token_table_stays_bounded_for_100k_distinct_tokens():
-    """(Before: one row per distinct token, forever: 9,000 tokens made 144 MiB.)"""
+    """A vocabulary past the cap costs the cap; the newest tokens keep their rows."""
     p = NextLayerPrefetcher(4, 16, 2)
     assert p.max_token_rows * p.L * p.E * 4 <= pf.TOKEN_TABLE_BYTES or \
         p.max_token_rows == pf.MIN_TOKEN_ROWS
@@ -40,7 +40,7 @@ def test_full_table_reuses_the_least_recently_learned_row(monkeypatch):
     assert p.token_seen[p.token_row["a"]] == 2
 
 
-def test_table_below_the_cap_grows_as_before():
+def test_table_below_the_cap_gives_each_new_token_the_next_row():
     p = NextLayerPrefetcher(2, 8, 2)
     rng = np.random.default_rng(1)
     for i in range(300):
@@ -51,7 +51,6 @@ def test_table_below_the_cap_grows_as_before():
 
 
 def test_worker_gone_drops_its_stream():
-    """(Before: every worker's stream stayed for the life of the manager.)"""
     p = NextLayerPrefetcher(2, 8, 2)
     rng = np.random.default_rng(2)
     for worker in range(50):
