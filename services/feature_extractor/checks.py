@@ -33,10 +33,14 @@ def check_routing(experts, layers: int, num_experts: int, top_k: int) -> np.ndar
     if any(len(row) != top_k for row in experts):
         raise Dropped("top_k", f"rows of {sorted({len(row) for row in experts})} experts, the "
                                f"model routes {top_k} a layer")
-    routing = np.asarray(experts, np.int64).reshape(layers, top_k)
+    try:
+        routing = np.asarray(experts, np.int64).reshape(layers, top_k)
+    except (OverflowError, TypeError, ValueError):  # an id past int64, or not an id
+        raise Dropped("expert_range", "an expert id that is no int64") from None
     if routing.size and (routing.min() < 0 or routing.max() >= num_experts):
-        raise Dropped("expert_range", f"expert id {int(routing.max())}, the model has "
-                                      f"{num_experts} a layer")
+        raise Dropped("expert_range", f"expert ids in [{int(routing.min())}, "
+                                      f"{int(routing.max())}], the model has {num_experts} a "
+                                      f"layer")
     if top_k > 1:
         ordered = np.sort(routing, axis=1)
         if (ordered[:, 1:] == ordered[:, :-1]).any():

@@ -410,7 +410,10 @@ def check_batch(batch, layers: int, experts: int, top_k: int, dims: int | None =
     if len(batch.experts) != layers or any(len(row) != top_k for row in batch.experts):
         raise Dropped("top_k", f"routing of {len(batch.experts)} rows, expected {layers} rows "
                                f"of {top_k}")
-    routing = np.asarray(batch.experts, np.int64).reshape(layers, top_k)
+    try:
+        routing = np.asarray(batch.experts, np.int64).reshape(layers, top_k)
+    except (OverflowError, TypeError, ValueError):  # an id past int64, or not an id
+        raise Dropped("expert_range", "an expert id that is no int64") from None
     if routing.size and not (0 <= routing.min() and routing.max() < experts):
         raise Dropped("expert_range", f"expert id {int(routing.max())}, the model has "
                                       f"{experts} a layer")
