@@ -145,9 +145,13 @@ def resume(sources, marker: str, load: Callable[[str], dict], log: logging.Logge
             continue
         except Exception as exc:  # any decode error of the bytes on disk: a damaged one
             if i == 0 and files:
-                moved = move_aside(Path(source), files)
-                log.warning("damaged checkpoint in %s (%s: %s): moved %s aside as *%s",
-                            source, type(exc).__name__, exc, ", ".join(moved), DAMAGED_SUFFIX)
+                try:
+                    done = "moved " + ", ".join(move_aside(Path(source), files)) + \
+                        f" aside as *{DAMAGED_SUFFIX}"
+                except OSError as move_error:  # a read-only folder: the next save replaces it
+                    done = f"not moved aside ({move_error})"
+                log.warning("damaged checkpoint in %s (%s: %s): %s", source,
+                            type(exc).__name__, exc, done)
             else:
                 log.warning("not resuming from %s: damaged (%s: %s)", source,
                             type(exc).__name__, exc)

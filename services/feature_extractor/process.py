@@ -9,9 +9,9 @@ not fit the store's model (``dropped_<reason>``, checks.py; logged at a bounded 
 resumes from there; else, or when that checkpoint does not fit the store's model, they start
 from a warm-up checkpoint (``--warmup``) that fits, else cold (common/checkpoints.py: a damaged
 checkpoint of its own is moved aside; a failed write, e.g. a full disk, is skipped with a
-warning and tried again after ``checkpoint_every_s``). With ``cluster.redis_url`` they also start from the peers' shared
-popularity, transitions and PCA (common/cluster.py; what it shares: sharing.py), and a
-thread publishes this device's.
+warning and tried again after ``checkpoint_every_s``). With ``cluster.redis_url`` they also
+start from the peers' shared popularity, transitions and PCA (common/cluster.py; what it
+shares: sharing.py), and a thread publishes this device's.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
 its own is moved aside, a failed write such as a full disk is skipped with a warning and tried
 again after ``checkpoint_every_s``). A batch whose values do not fit the model or the
 session's first batch (its dims and features) is dropped and counted (``dropped_<reason>``;
-core.check_batch). With ``cluster.redis_url``, a first start
-takes the weights of the peer with the most tokens before the warm-up checkpoint
-(common/cluster.py; what it shares: sharing.py), and a thread publishes this device's weights.
+core.check_batch). With ``cluster.redis_url``, a first start takes the weights of the peer
+with the most tokens before the warm-up checkpoint (common/cluster.py; what it shares:
+sharing.py), and a thread publishes this device's weights.
 """
 
 from __future__ import annotations

@@ -225,3 +225,16 @@ def test_throttle_logs_once_per_interval_and_counts_what_it_held(caplog):
         now[0] = 61
         assert throttle.warning("disk full")
     assert caplog.text.count("disk full") == 2 and "2 more like it" in caplog.text
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_aside_still_means_a_cold_start(tmp_path,
+                                                                                   caplog):
+    trained_learner().save(tmp_path)
+    (tmp_path / "predictor.safetensors").write_bytes(b"")
+    blocker = tmp_path / "predictor.safetensors.damaged"  # a folder in the way of the rename
+    blocker.mkdir()
+    (blocker / "keep").write_text("x")
+    with caplog.at_level(logging.WARNING):
+        assert resume((tmp_path,), "predictor.json", Learner(L, E, 4, 15).load, log,
+                      PREDICTOR_FILES) == ("", None)
+    assert "not moved aside" in caplog.text
