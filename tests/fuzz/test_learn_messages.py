@@ -20,7 +20,8 @@ UINT64 = 2 ** 64 - 1
 BUS = Decoder(LearningMessage, max_bytes=1 << 20)  # as the bus hands a message over
 
 ids = st.one_of(st.integers(0, E + 2), st.integers(0, UINT64))
-rows = st.lists(st.lists(ids, max_size=K + 2), max_size=L + 2)
+rows = st.one_of(st.lists(st.lists(ids, max_size=K + 2), max_size=L + 2),
+                st.lists(st.lists(ids, min_size=K, max_size=K), min_size=L, max_size=L))
 good_rows = st.lists(st.lists(st.integers(0, E - 1), min_size=K, max_size=K, unique=True),
                      min_size=L, max_size=L)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=64)

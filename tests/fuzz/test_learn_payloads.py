@@ -113,7 +113,7 @@ def array_swaps(draw):
             value = value.astype(good.dtype)
     else:
         shape = draw(st.lists(st.integers(0, 5), max_size=3))
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):
             value = np.full(shape, draw(special)).astype(draw(dtypes))
     arrays[name] = value
     if draw(st.booleans()):
