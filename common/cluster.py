@@ -24,9 +24,13 @@ same peers) and merges them.
 
 Every value is an envelope: ``MAGIC``, a version, a JSON header (what, device, generation,
 tokens, body length, SHA-256 of the body) and the body (safetensors for arrays; never
-pickle). A read checks the size (``cluster.max_bytes`` per device), magic, version, checksum,
-and every array's name, dtype and shape against this device's model; a value that fails is
-garbage: counted (``n_garbage``, the last reason kept) and its device ignored.
+pickle). Peers are untrusted: a read checks the sizes first (``STRLEN``, then a bounded
+``GETRANGE``: at most ``cluster.max_bytes`` per device is downloaded), then magic, version,
+checksum, every header field's type and range, every array's name, dtype and shape against
+this device's model, and every number's finiteness and range; a value that fails is garbage
+(``PayloadError``, nothing else): counted (``n_garbage``, the last reason kept) and its device
+ignored. At most ``cluster.max_peers`` peers are read, the most recently published (the
+longest TTL left); the others are counted (``n_peers_skipped``).
 
 Warm start (``merge``): popularity and transitions weighted by each peer's token count (the
 transition tables are counts, so their sum is that weighting); the PCA and the predictor's
@@ -57,7 +61,6 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -72,6 +75,9 @@ EXTRACTOR_PARTS = ("tokens", "popularity", "transitions", "pca")
 PREDICTOR_PARTS = ("predictor.safetensors", "predictor.json")
 PARTS = EXTRACTOR_PARTS + PREDICTOR_PARTS
 BACKOFF_START_S = 0.5
+MAX_TOKENS = 1 << 62  # a token count past this is garbage
+MAX_COUNT = 1e15  # a transition count past this is garbage (float32 sums stay finite)
+SCAN_PER_PEER = 64  # a scan reads at most this x cluster.max_peers device names
 
 
 class PayloadError(ValueError):
@@ -125,18 +131,28 @@ def decode(raw: bytes, what: str, max_bytes: int) -> tuple[dict, bytes]:
         raise PayloadError(f"{what}: not a FlashMoE cluster value (magic {magic!r})")
     if version != VERSION:
         raise PayloadError(f"{what}: envelope version {version}, this device reads {VERSION}")
+    if _PREAMBLE.size + header_len > len(raw):
+        raise PayloadError(f"{what}: a header of {header_len} bytes in {len(raw)}")
     try:
         header = json.loads(raw[_PREAMBLE.size:_PREAMBLE.size + header_len])
-        body = raw[_PREAMBLE.size + header_len:]
-        ok = header["what"] == what and header["bytes"] == len(body) and \
-            isinstance(header["tokens"], int) and header["tokens"] >= 0
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PayloadError(f"{what}: unreadable header ({exc})") from None
-    if not ok:
-        raise PayloadError(f"{what}: header does not match the value ({header})")
-    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
+    except (ValueError, RecursionError) as exc:
+        raise PayloadError(f"{what}: unreadable header ({str(exc)[:200]})") from None
+    body = raw[_PREAMBLE.size + header_len:]
+    if not isinstance(header, dict) or header.get("what") != what or \
+            not _is_int(header.get("bytes"), len(body), len(body)) or \
+            not _is_int(header.get("tokens"), 0, MAX_TOKENS) or \
+            not _is_int(header.get("generation"), 0, 1 << 64) or \
+            not isinstance(header.get("device"), str) or \
+            not isinstance(header.get("sha256"), str):
+        raise PayloadError(f"{what}: header does not match the value ({str(header)[:300]})")
+    if hashlib.sha256(body).hexdigest() != header["sha256"]:
         raise PayloadError(f"{what}: checksum mismatch")
     return header, body
+
+
+def _is_int(value, lo: int, hi: int) -> bool:
+    """An int (not a bool) in [lo, hi]."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 def encode_arrays(arrays: dict[str, np.ndarray]) -> bytes:
@@ -151,8 +167,8 @@ def decode_arrays(body: bytes, what: str,
     infinity anywhere, no NaN outside ``nan_ok``."""
     try:
         arrays = st_load(body)
-    except (SafetensorError, ValueError, TypeError) as exc:
-        raise PayloadError(f"{what}: not a safetensors body ({exc})") from None
+    except Exception as exc:  # SafetensorError, or any other refusal of untrusted bytes
+        raise PayloadError(f"{what}: not a safetensors body ({str(exc)[:200]})") from None
     if set(arrays) != set(expected):
         raise PayloadError(f"{what}: arrays {sorted(arrays)}, expected {sorted(expected)}")
     for name, (dtype, shape) in expected.items():
@@ -240,10 +256,10 @@ def parse_device(values: dict[str, bytes | None], device: str, shape: ModelShape
     for what, header in headers.items():
         if header["device"] != device:
             raise PayloadError(f"{what}: published by {header['device']!r} under {device!r}")
-    try:
-        tokens = int(decoded["tokens"][1].decode("ascii"))
-    except ValueError:
-        raise PayloadError("tokens: not an integer") from None
+    text = decoded["tokens"][1]
+    if not text.isdigit() or len(text) > 19:
+        raise PayloadError("tokens: not a count")
+    tokens = int(text)
     if tokens != headers["tokens"]["tokens"]:
         raise PayloadError(f"tokens: {tokens} in the body, {headers['tokens']['tokens']} in "
                            f"the header")
@@ -257,11 +273,18 @@ def parse_device(values: dict[str, bytes | None], device: str, shape: ModelShape
         raise PayloadError("popularity: a share above 1")
     transitions = decode_arrays(decoded["transitions"][1], "transitions",
                                 shape.expected("transitions"), nonnegative=True)
+    if any(v.max(initial=0.0) > MAX_COUNT for v in transitions.values()):
+        raise PayloadError(f"transitions: a count above {MAX_COUNT:g}")
     patterns = Patterns(device, tokens, popularity, transitions["counts"], transitions["rows"])
     if "pca" in decoded:
         # counters[2], the variance the PCA keeps, is NaN until its first fit.
         patterns.pca = decode_arrays(decoded["pca"][1], "pca", shape.expected("pca"),
                                      nan_ok=("counters",))
+        counters = patterns.pca["counters"].tolist()
+        n, weight, kept = (counters + [0.0] * 3)[:3]
+        if not (0 <= n <= MAX_TOKENS and n == int(n) and 0 <= weight <= MAX_COUNT and
+                (np.isnan(kept) or 0 <= kept <= 1)):
+            raise PayloadError(f"pca: counters {counters} (updates, weight, variance kept)")
     if "predictor.safetensors" in decoded and "predictor.json" in decoded:
         if headers["predictor.safetensors"]["generation"] != \
                 headers["predictor.json"]["generation"]:
@@ -269,11 +292,13 @@ def parse_device(values: dict[str, bytes | None], device: str, shape: ModelShape
         try:
             meta = json.loads(decoded["predictor.json"][1])
             mine = {k: meta[k] for k in shape.predictor_meta}
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PayloadError(f"predictor.json: unreadable ({exc})") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise PayloadError(f"predictor.json: unreadable ({str(exc)[:200]})") from None
         if mine != shape.predictor_meta:
-            raise PayloadError(f"predictor.json: a predictor of {mine}, this device's is "
-                               f"{shape.predictor_meta}")
+            raise PayloadError(f"predictor.json: a predictor of {str(mine)[:300]}, this "
+                               f"device's is {shape.predictor_meta}")
+        if not _is_int(meta.get("steps", 0), 0, MAX_TOKENS):
+            raise PayloadError(f"predictor.json: steps {str(meta.get('steps'))[:40]}")
         patterns.predictor = decode_arrays(decoded["predictor.safetensors"][1],
                                            "predictor.safetensors",
                                            shape.expected("predictor.safetensors"))
@@ -344,7 +369,7 @@ class ClusterLink:
         self.retry_at = 0.0
         self.backoff = BACKOFF_START_S
         self.counters = {"n_published": 0, "n_publish_refused": 0, "n_garbage": 0,
-                         "n_errors": 0, "n_reconnects": 0, "peers": 0}
+                         "n_errors": 0, "n_reconnects": 0, "peers": 0, "n_peers_skipped": 0}
         self.last_garbage = ""
         self.lock = threading.Lock()  # status() from the control thread
         self.client: redis.Redis | None = None
@@ -482,36 +507,62 @@ class ClusterLink:
         return True
 
     def peer_devices(self) -> list[str] | None:
-        """Devices with features of this model in Redis, this one left out (None: failed)."""
+        """Devices with features of this model in Redis, this one left out (None: failed):
+        the ``cluster.max_peers`` most recently published (the longest TTL left), the others
+        counted in ``n_peers_skipped``. The scan stops after ``SCAN_PER_PEER`` x max_peers
+        names (the rest count as skipped too)."""
         pattern = key(self.fingerprint, "*", "tokens")
+        prefix = f"flashmoe:{self.fingerprint}:".encode()
+        limit = SCAN_PER_PEER * self.config.max_peers
 
         def run(client: redis.Redis):
-            found = set()
+            found, more = {}, False
             for name in client.scan_iter(match=pattern, count=1000):
-                name = name.decode() if isinstance(name, bytes) else name
-                device = name[len(f"flashmoe:{self.fingerprint}:"):-len(":tokens")]
-                if device != self.device:
-                    found.add(device)
-            return sorted(found)
+                name = name.encode() if isinstance(name, str) else name
+                try:
+                    device = name[len(prefix):-len(b":tokens")].decode()
+                except UnicodeDecodeError:  # not a name this code writes
+                    continue
+                if device == self.device:
+                    continue
+                if len(found) >= limit:
+                    more = True
+                    break
+                found[device] = name
+            names = list(found)
+            pipe = client.pipeline(transaction=False)
+            for device in names:
+                pipe.ttl(found[device])
+            ttls = pipe.execute(raise_on_error=False) if names else []
+            left = {d: t if isinstance(t, int) else -1 for d, t in zip(names, ttls)}
+            kept = sorted(names, key=lambda d: (-left[d], d))[:self.config.max_peers]
+            return sorted(kept), len(names) - len(kept) + more
 
-        devices = self.call(run)
-        if devices is not None:
-            with self.lock:
-                self.counters["peers"] = len(devices)
+        result = self.call(run)
+        if result is None:
+            return None
+        devices, skipped = result
+        with self.lock:
+            self.counters["peers"] = len(devices)
+            self.counters["n_peers_skipped"] += skipped
         return devices
 
     def fetch_peers(self, shape: ModelShape) -> list[Patterns]:
-        """Every peer's validated features; garbage is counted and its device skipped."""
+        """Every peer's validated features; garbage is counted and its device skipped. Sizes
+        are read first: a device over ``cluster.max_bytes`` is not downloaded, and no read
+        takes more than that (``GETRANGE``)."""
         devices = self.peer_devices() or []
         peers = []
+        limit = self.config.max_bytes
         for device in devices:
             names = [key(self.fingerprint, device, what) for what in PARTS]
-            raw = self.call(lambda client, names=names: client.mget(names))
+            raw = self.call(lambda client, names=names: _bounded_mget(client, names, limit))
             if raw is None:
                 break
             try:
-                peers.append(parse_device(dict(zip(PARTS, raw)), device, shape,
-                                          self.config.max_bytes))
+                if isinstance(raw, PayloadError):
+                    raise raw
+                peers.append(parse_device(dict(zip(PARTS, raw)), device, shape, limit))
             except PayloadError as exc:
                 self.garbage(f"{device}: {exc}")
         return peers
@@ -523,6 +574,33 @@ class ClusterLink:
             except (redis.RedisError, OSError):
                 pass
             self.client = None
+
+
+def _bounded_mget(client: redis.Redis, names: list[str],
+                  max_bytes: int) -> list[bytes | None] | PayloadError:
+    """The values of ``names`` (None: missing), or the PayloadError that refuses them before
+    download: not plain strings, or more than ``max_bytes`` together."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.strlen(name)
+    sizes = pipe.execute(raise_on_error=False)
+    for name, size in zip(names, sizes):
+        if not isinstance(size, int):  # WRONGTYPE: someone stored another type there
+            return PayloadError(f"{name.rsplit(':', 1)[-1]}: not a string value ({size})")
+    if sum(sizes) > max_bytes:
+        return PayloadError(f"{sum(sizes)} bytes, over cluster.max_bytes {max_bytes}")
+    pipe = client.pipeline(transaction=False)
+    for name, size in zip(names, sizes):
+        if size:
+            pipe.getrange(name, 0, max_bytes)  # a value grown since is read one byte over
+    values = iter(pipe.execute(raise_on_error=False))
+    out = []
+    for size in sizes:
+        value = next(values) if size else None
+        if isinstance(value, Exception):
+            return PayloadError(f"unreadable value ({value})")
+        out.append(value)
+    return out
 
 
 def cluster_stats(link: ClusterLink, warm_start: dict | None) -> dict[str, int | float | str]:

@@ -248,6 +248,9 @@ class ClusterConfig:
     publish_every_s: float = field(default=30.0, metadata=_spec(
         "Seconds between this device's publishes (and peer counts).", lo=0.05, hi=86_400.0,
         fixed_because=_CLUSTER_FIXED))
+    max_peers: int = field(default=16, metadata=_spec(
+        "Most peers a device reads (the most recently published; the rest are skipped and "
+        "counted).", lo=1, hi=1024, fixed_because=_CLUSTER_FIXED))
     timeout_s: float = field(default=1.0, metadata=_spec(
         "Seconds one Redis call (connect, read or write) may take; past it the device goes on "
         "alone and reconnects later.", lo=0.01, hi=60.0, fixed_because=_CLUSTER_FIXED))

@@ -11,6 +11,11 @@ the token about to run, from the past only:
              last three input tokens: how often each expert ran with that context, and in the
              token that followed it (next one, next four); position in the sequence
 
+The token tables hold at most ``max_token_rows`` rows (``ExtractorParams``): past that, the
+least recently seen token's row is cleared and reused (an LRU of rows), so a real vocabulary
+costs a bounded table (16,384 rows cover the shared gpt-oss-20b traces' 10,460 distinct tokens:
+there nothing is ever evicted). The SimHash bits of a token are cached the same way.
+
 Every table estimate is smoothed towards the expert's long-run frequency (``alpha``), so an
 unseen context says "as usual". The per-layer raw vector (the layer's experts x ``RAW``
 features, 256 numbers for 32 experts) is reduced by an online PCA (``OnlinePCA``) that reports
@@ -21,14 +26,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from common.checkpoints import replace_durably, write_text_durably
+from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, write_durably,
+                                write_text_durably)
+
+from .checks import check_probs, check_routing
 
 # The per-expert features, in their column order (the FeatureBatch's per_expert rows).
 FEATURES = ("used_last", "prob_last", "recent_freq", "medium_freq", "long_run_freq", "recency",
@@ -54,11 +64,23 @@ def _hash64(text: str) -> int:
                                           digest_size=8).digest(), "little")
 
 
+@lru_cache(maxsize=1 << 16)
+def _token_bits(token: str, bits: int) -> tuple[float, ...]:
+    """A token's SimHash votes: +1 / -1 for each of the first ``bits`` bits of its hash."""
+    h = _hash64(token)
+    return tuple(1.0 if (h >> i) & 1 else -1.0 for i in range(bits))
+
+
 @dataclass(frozen=True)
 class ExtractorParams:
     alpha: float = 2.0  # weight of the long-run frequency smoothing every table estimate
     simhash_bits: int = 12
     window: tuple[float, ...] = (0.5, 0.7, 1.0)  # SimHash weights of x_{t-2}, x_{t-1}, x_t
+    max_token_rows: int = 16384  # rows of the token tables (an LRU of input tokens)
+
+    def __post_init__(self) -> None:
+        if self.max_token_rows < 8:  # the last four input tokens' rows must stay
+            raise ValueError(f"max_token_rows {self.max_token_rows}: at least 8")
 
 
 class FeatureExtractor:
@@ -83,8 +105,9 @@ class FeatureExtractor:
         self.last_use = np.full(N, NEVER, np.int64)  # the token it last ran in
         self.last_gap = np.full(N, 2.0 ** LOG_CAP, np.float32)  # tokens between its last uses
         self.mean_gap = np.full(N, 2.0 ** LOG_CAP, np.float32)  # their running mean
-        self.token_row: dict[str, int] = {}
-        rows = 1024
+        # input token -> its row of the token tables, least recently seen first
+        self.token_row: OrderedDict[str, int] = OrderedDict()
+        rows = min(1024, params.max_token_rows)
         # input token (its row) -> how often each key ran in a token with that input, and how
         # many such tokens there were
         self.token_uses = np.zeros((rows, N), np.float32)
@@ -97,7 +120,6 @@ class FeatureExtractor:
         # the same for the SimHash fingerprint of the last three input tokens
         self.context_uses = np.zeros((1 << bits, N), np.float32)
         self.context_seen = np.zeros(1 << bits, np.float32)
-        self._bits_of: dict[str, tuple[float, ...]] = {}
         # per layer: times expert i at t - 1 was followed by expert j at t, and times expert i
         # was the source of a transition
         self.transition_counts = np.zeros((num_layers, num_experts, num_experts), np.float32)
@@ -119,32 +141,35 @@ class FeatureExtractor:
 
     # --- context tables ----------------------------------------------------------------------
 
-    def _token_bits(self, token: str) -> tuple[float, ...]:
-        bits = self._bits_of.get(token)
-        if bits is None:
-            h = _hash64(token)
-            bits = tuple(1.0 if (h >> i) & 1 else -1.0 for i in range(self.params.simhash_bits))
-            self._bits_of[token] = bits
-        return bits
-
     def fingerprint(self, tokens: list[str]) -> int:
         """SimHash of the recent input tokens (weighted, the newest heaviest): bit i is set
         when the weighted vote of the tokens' hash bits i is positive. (Plain Python: three
         tokens of 12 bits cost less than numpy's dispatch.)"""
-        acc = [0.0] * self.params.simhash_bits
+        bits = self.params.simhash_bits
+        acc = [0.0] * bits
         for weight, token in zip(self.params.window[-len(tokens):], tokens):
-            acc = [a + weight * b for a, b in zip(acc, self._token_bits(token))]
+            acc = [a + weight * b for a, b in zip(acc, _token_bits(token, bits))]
         return sum(1 << i for i, a in enumerate(acc) if a > 0)
 
     def _row_of(self, token: str) -> int:
         row = self.token_row.get(token)
-        if row is None:
+        if row is not None:
+            self.token_row.move_to_end(token)
+            return row
+        if len(self.token_row) >= self.params.max_token_rows:
+            _, row = self.token_row.popitem(last=False)  # the least recently seen token's
+            for name in ROW_TABLES:
+                getattr(self, name)[row] = 0
+        else:
             row = len(self.token_row)
             if row >= len(self.token_seen):
+                grown = min(2 * len(self.token_seen), self.params.max_token_rows)
                 for name in ROW_TABLES:
                     table = getattr(self, name)
-                    setattr(self, name, np.concatenate([table, np.zeros_like(table)]))
-            self.token_row[token] = row
+                    bigger = np.zeros((grown,) + table.shape[1:], table.dtype)
+                    bigger[:len(table)] = table
+                    setattr(self, name, bigger)
+        self.token_row[token] = row
         return row
 
     # --- the stream ----------------------------------------------------------------------------
@@ -181,7 +206,7 @@ class FeatureExtractor:
             X[:, 10] = (smoothed.sum(1) / self.K).reshape(self.N)  # the mean over the K
         else:
             X[:, 10] = prior
-        X[:, 11] = min(np.log2(1 + position), LOG_CAP) / LOG_CAP
+        X[:, 11] = min(np.log2(1 + min(position, 1 << 40)), LOG_CAP) / LOG_CAP  # any int
         X[:, 12] = (self.next_uses[row] + ap) / (self.next_seen[row] + a)
         X[:, 13] = (self.next4_uses[row] + ap) / (self.next4_seen[row] + a)
         X[:, 14] = self.used_before_last
@@ -349,11 +374,15 @@ class ExtractorCore:
     def on_event(self, sequence: int, position: int, input_token: str, next_token: str,
                  experts, probs) -> tuple[np.ndarray, np.ndarray] | None:
         """Record token t; returns (X, z) for token t + 1: per-expert features (N, F) and the
-        reduced per-layer vectors (L, dims); None at the end of a sequence."""
+        reduced per-layer vectors (L, dims); None at the end of a sequence. An event whose
+        routing or probabilities do not fit the model raises ``Dropped`` (checks.py) before
+        anything changes."""
         fx = self.features
+        experts = check_routing(experts, fx.L, fx.E, fx.K)
+        probs = check_probs(probs, fx.L, fx.K)
         if self._expect != (sequence, position):  # a new sequence, or events were lost
             fx.step(input_token, position)
-        fx.observe(np.asarray(experts, np.int64), probs)
+        fx.observe(experts, probs)
         if not next_token:
             self._expect = None
             return None
@@ -380,31 +409,73 @@ CHECKPOINT_NAMES = {
 
 
 def extractor_state(core: ExtractorCore) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, JSON-able meta) of an extractor: what it learned, not where a stream is."""
+    """(arrays, JSON-able meta) of an extractor: what it learned, not where a stream is. The
+    token tables' rows go out in row order (``token_rows``: the token of each)."""
     fx = core.features
     rows = len(fx.token_row)
+    tokens = [""] * rows
+    for token, row in fx.token_row.items():
+        tokens[row] = token
     arrays = {}
     for stored, name in CHECKPOINT_NAMES.items():
         value = getattr(fx, name)
         arrays[f"fx.{stored}"] = value[:rows] if name in ROW_TABLES else value
     arrays.update({f"pca.{k}": v for k, v in core.pca.state().items()})
     meta = {"L": fx.L, "E": fx.E, "K": fx.K, "tokens": fx.t, "params": fx.params.__dict__,
-            "token_rows": list(fx.token_row), "pca_components": core.pca.k}
+            "token_rows": tokens, "pca_components": core.pca.k}
     return arrays, meta
 
 
-def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], meta: dict) -> None:
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_state(core: ExtractorCore, arrays: dict[str, np.ndarray], meta) -> int:
+    """The number of token rows of a decoded checkpoint that fits ``core``; CheckpointMismatch
+    for another model's (layers, experts, components), CheckpointDamaged for anything that
+    is not what ``extractor_state`` writes."""
+    if not isinstance(meta, dict) or not all(_is_count(meta.get(k)) for k in
+                                             ("L", "E", "tokens", "pca_components")):
+        raise CheckpointDamaged(f"unreadable meta {str(meta)[:200]}")
     fx = core.features
     if (meta["L"], meta["E"]) != (fx.L, fx.E) or meta["pca_components"] != core.pca.k:
-        raise ValueError(f"an extractor checkpoint of {meta['L']} layers x {meta['E']} experts "
-                         f"and {meta['pca_components']} components does not fit {fx.L} x "
-                         f"{fx.E} and {core.pca.k}")
-    fx.token_row = {token: i for i, token in enumerate(meta["token_rows"])}
+        raise CheckpointMismatch(f"an extractor checkpoint of {meta['L']} layers x {meta['E']} "
+                                 f"experts and {meta['pca_components']} components does not "
+                                 f"fit {fx.L} x {fx.E} and {core.pca.k}")
+    tokens = meta.get("token_rows")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens) or \
+            len(set(tokens)) != len(tokens):
+        raise CheckpointDamaged("token_rows is not a list of distinct tokens")
+    expected = {f"fx.{stored}": getattr(fx, name)[:0] if name in ROW_TABLES
+                else getattr(fx, name) for stored, name in CHECKPOINT_NAMES.items()}
+    expected.update({f"pca.{k}": np.asarray(v) for k, v in core.pca.state().items()})
+    if set(arrays) != set(expected):
+        raise CheckpointDamaged(f"arrays {sorted(arrays)[:40]}, expected {sorted(expected)}")
+    for name, mine in expected.items():
+        value = arrays[name]
+        per_token = name.startswith("fx.") and CHECKPOINT_NAMES[name[3:]] in ROW_TABLES
+        shape = (len(tokens),) + mine.shape[1:] if per_token else mine.shape
+        if value.dtype != mine.dtype or value.shape != shape:
+            raise CheckpointDamaged(f"{name} is {value.dtype}{list(value.shape)}, expected "
+                                    f"{mine.dtype}{list(shape)}")
+        finite = np.isfinite(value[:2] if name == "pca.counters" else value)
+        if value.dtype.kind == "f" and not finite.all():
+            raise CheckpointDamaged(f"{name} has non-finite values")
+    return len(tokens)
+
+
+def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """Checked first (``_check_state``): ``core`` is left as it was when this raises."""
+    rows = _check_state(core, arrays, meta)
+    fx = core.features
+    keep = min(rows, fx.params.max_token_rows)  # the first rows, when the cap is smaller
+    fx.token_row = OrderedDict((token, i) for i, token in enumerate(meta["token_rows"][:keep]))
     for stored, name in CHECKPOINT_NAMES.items():
         value = arrays[f"fx.{stored}"].copy()
         if name in ROW_TABLES:
-            grown = np.zeros((max(1024, 2 * len(value)),) + value.shape[1:], value.dtype)
-            grown[:len(value)] = value
+            size = min(max(1024, 2 * keep), fx.params.max_token_rows)
+            grown = np.zeros((max(size, keep),) + value.shape[1:], value.dtype)
+            grown[:keep] = value[:keep]
             value = grown
         setattr(fx, name, value)
     fx.last_gap_feature = _log_feature(fx.last_gap)
@@ -413,28 +484,40 @@ def load_extractor_state(core: ExtractorCore, arrays: dict[str, np.ndarray], met
     core.pca.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("pca.")})
 
 
+CHECKPOINT_FILES = ("extractor.safetensors", "extractor.json")
+
+
 def save_checkpoint(core: ExtractorCore, folder: str | Path) -> None:
     """``extractor.safetensors`` + ``extractor.json`` in ``folder``, each replaced durably
-    (common/checkpoints.py). The safetensors file carries the JSON too, so that its arrays and
-    their meta always come from the same save."""
+    (common/checkpoints.py: OSError, e.g. a full disk, leaves the previous ones). The
+    safetensors file carries the JSON too, so that its arrays and their meta always come from
+    the same save."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays, meta = extractor_state(core)
     text = json.dumps(meta)
-    tmp = folder / "extractor.safetensors.tmp"
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-              metadata={"extractor": text})
-    replace_durably(tmp, folder / "extractor.safetensors")
+    write_durably(folder / "extractor.safetensors", lambda tmp: save_file(
+        {k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+        metadata={"extractor": text}))
     write_text_durably(folder / "extractor.json", text)
 
 
 def load_checkpoint(core: ExtractorCore, folder: str | Path) -> dict:
-    """Load what ``save_checkpoint`` wrote; returns its JSON (FileNotFoundError, ValueError
-    or KeyError when it is missing or does not fit)."""
+    """Load what ``save_checkpoint`` wrote; returns its JSON. FileNotFoundError when it is
+    missing, CheckpointMismatch when it is another model's, CheckpointDamaged when it cannot
+    be decoded (zero-length, truncated, garbage, wrong arrays); ``core`` unchanged then."""
     folder = Path(folder)
-    with safe_open(str(folder / "extractor.safetensors"), framework="numpy") as f:
-        text = (f.metadata() or {}).get("extractor")
-        arrays = {key: f.get_tensor(key) for key in f.keys()}
-    meta = json.loads(text if text is not None else (folder / "extractor.json").read_text())
+    path = folder / "extractor.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(2, "no extractor checkpoint", str(path))
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            text = (f.metadata() or {}).get("extractor")
+            arrays = {key: f.get_tensor(key) for key in f.keys()}
+        meta = json.loads(text if text is not None else (folder / "extractor.json").read_text())
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # SafetensorError, JSON, OS errors: the bytes are not a checkpoint
+        raise CheckpointDamaged(f"{path}: {type(exc).__name__}: {exc}") from None
     load_extractor_state(core, arrays, meta)
     return meta

@@ -2,13 +2,16 @@
 (PUB, to the predictor), one per token, sequence-numbered.
 
 Every event is counted by its source's sequence numbers (lost ones in ``n_gap``); a malformed
-or wrong-version message is counted and dropped. With a ``checkpoint_dir`` the core's tables
-are checkpointed there every ``predictor.checkpoint_every_s`` (when they changed) and at a
-clean shutdown, and a restart resumes from there; else, or when that checkpoint does not fit
-the store's model, they start from a warm-up checkpoint (``--warmup``) that fits, else cold
-(common/checkpoints.py). With ``cluster.redis_url`` they also start from the peers' shared
-popularity, transitions and PCA (common/cluster.py; what it shares: sharing.py), and a
-thread publishes this device's.
+or wrong-version message is counted and dropped, and so is a well-formed one whose values do
+not fit the store's model (``dropped_<reason>``, checks.py; logged at a bounded rate). With a
+``checkpoint_dir`` the core's tables are checkpointed there every
+``predictor.checkpoint_every_s`` (when they changed) and at a clean shutdown, and a restart
+resumes from there; else, or when that checkpoint does not fit the store's model, they start
+from a warm-up checkpoint (``--warmup``) that fits, else cold (common/checkpoints.py: a damaged
+checkpoint of its own is moved aside; a failed write, e.g. a full disk, is skipped with a
+warning and tried again after ``checkpoint_every_s``). With ``cluster.redis_url`` they also
+start from the peers' shared popularity, transitions and PCA (common/cluster.py; what it
+shares: sharing.py), and a thread publishes this device's.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
-from common.checkpoints import resume
+from common.checkpoints import Throttle, arm_checkpoint_fault, resume
 from common.cluster import (
     ClusterAgent,
     ModelShape,
@@ -35,7 +38,8 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .core import FEATURES, ExtractorCore, load_checkpoint, save_checkpoint
+from .checks import Dropped
+from .core import CHECKPOINT_FILES, FEATURES, ExtractorCore, load_checkpoint, save_checkpoint
 from .sharing import apply_to_extractor, extractor_patterns
 
 
@@ -53,8 +57,11 @@ class FeatureExtractorService(Service):
                       config.features.pca_components)
         self.core = ExtractorCore(*self.shape)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        arm_checkpoint_fault(self.log)
+        self.disk_warning = Throttle(self.log)
+        self.drop_warning = Throttle(self.log)
         self.resumed_from, _ = resume((self.checkpoint_dir, warmup), "extractor.json",
-                                      self._load, self.log)
+                                      self._load, self.log, CHECKPOINT_FILES)
         self.saved_tokens = self.core.features.t  # what the checkpoint folder already holds
         self.last_checkpoint = time.monotonic()
         self.cluster: ClusterAgent | None = None
@@ -68,8 +75,8 @@ class FeatureExtractorService(Service):
         self.epoch = time.time_ns()
         self.seq = 0
         self.cpu_s = 0.0
-        self.counters.update(events=0, batches=0, checkpoints=0, n_gap=0, n_out_of_order=0,
-                             rejected_unexpected=0)
+        self.counters.update(events=0, batches=0, checkpoints=0, checkpoint_failures=0, n_gap=0,
+                             n_out_of_order=0, rejected_unexpected=0)
 
     def _load(self, folder: str) -> dict:
         """Tables from ``folder`` into a fresh core, kept only when they fit."""
@@ -79,9 +86,16 @@ class FeatureExtractorService(Service):
         return meta
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.core, self.checkpoint_dir)
-        self.saved_tokens = self.core.features.t
+        """Save the tables; a failed write (a full disk) is skipped with a warning, the
+        previous checkpoint kept, and tried again after ``checkpoint_every_s``."""
         self.last_checkpoint = time.monotonic()
+        try:
+            save_checkpoint(self.core, self.checkpoint_dir)
+        except OSError as exc:
+            self.counters["checkpoint_failures"] += 1
+            self.disk_warning.warning("checkpoint skipped, the previous one kept: %s", exc)
+            return
+        self.saved_tokens = self.core.features.t
         self.counters["checkpoints"] += 1
 
     def on_tick(self, now: float) -> None:
@@ -136,13 +150,16 @@ class FeatureExtractorService(Service):
     def handle_event(self, event: AccessEvent) -> None:
         self.counters["events"] += 1
         self.gaps.observe(event.source, event.seq, event.epoch)
-        if len(event.experts) != self.layers:
-            self.counters["rejected_shape"] += 1
-            return
         started = time.thread_time()
-        out = self.core.on_event(event.sequence, event.position, event.input_token,
-                                 event.next_token, event.experts, event.probs)
-        self.cpu_s += time.thread_time() - started
+        try:
+            out = self.core.on_event(event.sequence, event.position, event.input_token,
+                                     event.next_token, event.experts, event.probs)
+        except Dropped as exc:
+            self.counters[f"dropped_{exc.reason}"] += 1
+            self.drop_warning.warning("dropped an access event from %s: %s", event.source, exc)
+            return
+        finally:
+            self.cpu_s += time.thread_time() - started
         if out is None:
             return
         X, z = out

@@ -33,9 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from common.checkpoints import replace_durably, write_text_durably
+from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, write_durably,
+                                write_text_durably)
 from common.config import PredictorConfig
 
 from . import fast_infer
@@ -295,7 +297,10 @@ class Learner:
     # --- checkpoints --------------------------------------------------------------------------
 
     def save(self, folder: str | Path, extra: dict | None = None) -> None:
-        """Weights (and the EWC anchor and Fisher) as safetensors, the rest as JSON."""
+        """Weights (and the EWC anchor and Fisher) as safetensors, the rest as JSON, each
+        replaced durably (common/checkpoints.py: OSError, e.g. a full disk, leaves the previous
+        ones). The safetensors file carries the JSON too, so that weights and meta always come
+        from the same save."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"net.{k}": v.detach().contiguous() for k, v in self.net.state_dict().items()}
@@ -303,35 +308,119 @@ class Learner:
             names = [n for n, _ in self.net.named_parameters()]
             tensors.update({f"anchor.{n}": a.contiguous() for n, a in zip(names, self.anchor)})
             tensors.update({f"fisher.{n}": f.contiguous() for n, f in zip(names, self.fisher)})
-        tmp = folder / "predictor.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        replace_durably(tmp, folder / "predictor.safetensors")  # a kill leaves the last whole one
         meta = {"params": checkpoint_params(self.config), "L": self.L, "E": self.E,
                 "dims": self.dims, "features": self.features, "tokens": self.t, "steps": self.steps,
                 "drifts": len(self.drifts), **(extra or {})}
-        write_text_durably(folder / "predictor.json", json.dumps(meta, indent=1))
+        text = json.dumps(meta, indent=1)
+        write_durably(folder / "predictor.safetensors",
+                      lambda tmp: save_file(tensors, str(tmp), metadata={"predictor": text}))
+        write_text_durably(folder / "predictor.json", text)
 
     def load(self, folder: str | Path) -> dict:
-        """Weights from a checkpoint of the same shape; returns its JSON."""
+        """Weights from a checkpoint of the same shape; returns its JSON. FileNotFoundError
+        when it is missing, CheckpointMismatch for another shape or network,
+        CheckpointDamaged when it cannot be decoded (zero-length, truncated, garbage, wrong or
+        non-finite tensors); the learner is unchanged then."""
         folder = Path(folder)
-        meta = json.loads((folder / "predictor.json").read_text())
-        shape = (meta["L"], meta["E"], meta["dims"], meta["features"])
+        path = folder / "predictor.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(2, "no predictor checkpoint", str(path))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                text = (f.metadata() or {}).get("predictor")
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
+            meta = json.loads(text if text is not None else
+                              (folder / "predictor.json").read_text())
+            shape = (meta["L"], meta["E"], meta["dims"], meta["features"])
+            network = (meta["params"]["model"], meta["params"]["hidden"])
+            steps = meta.get("steps", 0)
+        except Exception as exc:  # SafetensorError, JSON, OS errors: not a checkpoint
+            raise CheckpointDamaged(f"{path}: {type(exc).__name__}: {exc}") from None
         if shape != (self.L, self.E, self.dims, self.features):
-            raise ValueError(f"{folder}: checkpoint of shape (layers, experts, dims, features) "
-                             f"{shape}, this predictor is {(self.L, self.E, self.dims, self.features)}")
-        if meta["params"]["model"] != self.config.model or \
-                meta["params"]["hidden"] != self.config.lstm_hidden:
-            raise ValueError(f"{folder}: checkpoint of a {meta['params']['model']} model with "
-                             f"hidden {meta['params']['hidden']}, this predictor is "
-                             f"{self.config.model} with hidden {self.config.lstm_hidden}")
-        tensors = load_file(str(folder / "predictor.safetensors"))
-        self.net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("net.")})
+            raise CheckpointMismatch(f"{folder}: checkpoint of shape (layers, experts, dims, "
+                                     f"features) {shape}, this predictor is "
+                                     f"{(self.L, self.E, self.dims, self.features)}")
+        if network != (self.config.model, self.config.lstm_hidden):
+            raise CheckpointMismatch(f"{folder}: checkpoint of a {network[0]} model with hidden "
+                                     f"{network[1]}, this predictor is {self.config.model} "
+                                     f"with hidden {self.config.lstm_hidden}")
         names = [n for n, _ in self.net.named_parameters()]
+        expected = {f"net.{k}": v for k, v in self.net.state_dict().items()}
+        if f"anchor.{names[0]}" in tensors:
+            params = dict(self.net.named_parameters())
+            for n in names:
+                expected[f"anchor.{n}"] = expected[f"fisher.{n}"] = params[n]
+        if set(tensors) != set(expected):
+            raise CheckpointDamaged(f"{path}: tensors {sorted(tensors)[:20]}, expected "
+                                    f"{sorted(expected)[:20]}")
+        for key, mine in expected.items():
+            value = tensors[key]
+            if value.dtype != mine.dtype or value.shape != mine.shape or \
+                    (value.is_floating_point() and not torch.isfinite(value).all()):
+                raise CheckpointDamaged(f"{path}: {key} is {value.dtype}{list(value.shape)}, "
+                                        f"expected finite {mine.dtype}{list(mine.shape)}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise CheckpointDamaged(f"{path}: steps {steps!r}")
+        self.net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("net.")})
         if f"anchor.{names[0]}" in tensors:
             self.anchor = [tensors[f"anchor.{n}"] for n in names]
             self.fisher = [tensors[f"fisher.{n}"] for n in names]
             self.fisher_raw = [f.clone() for f in self.fisher]
-        self.steps = int(meta.get("steps", 0))
+        self.steps = steps
         self.infer_net = self.net
         self.refresh_inference()
         return meta
+
+
+CHECKPOINT_FILES = ("predictor.safetensors", "predictor.json")
+
+
+class Dropped(ValueError):
+    """A FeatureBatch whose values do not fit the model or the session; ``reason`` names the
+    check (the predictor's stats counter ``dropped_<reason>``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def check_batch(batch, layers: int, experts: int, top_k: int, dims: int | None = None,
+                features: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(z (layers, dims) float32, x (layers * experts, features) float32, routing (layers,
+    top_k) int64) of a FeatureBatch checked against the model and the session's shape
+    (``dims``, ``features``: those of the session's first batch; None before it). ``Dropped``
+    with ``layers``, ``experts_per_layer``, ``dims``, ``features``, ``buffer``, ``nonfinite``,
+    ``top_k``, ``expert_range`` or ``duplicate_expert``."""
+    if batch.layers != layers:
+        raise Dropped("layers", f"a batch of {batch.layers} layers, the model has {layers}")
+    if batch.experts_per_layer != experts:
+        raise Dropped("experts_per_layer", f"a batch of {batch.experts_per_layer} experts a "
+                                           f"layer, the model has {experts}")
+    if batch.dims != (dims or batch.dims) or batch.dims < 1:
+        raise Dropped("dims", f"a batch of {batch.dims} dims, the session's are {dims}")
+    if batch.features != (features or batch.features) or batch.features < 1:
+        raise Dropped("features", f"a batch of {batch.features} features, the session's are "
+                                  f"{features}")
+    dims, features = batch.dims, batch.features
+    if len(batch.per_layer) != 4 * layers * dims or \
+            len(batch.per_expert) != 2 * layers * experts * features:
+        raise Dropped("buffer", f"buffers of {len(batch.per_layer)} and "
+                                f"{len(batch.per_expert)} bytes, expected {4 * layers * dims} "
+                                f"and {2 * layers * experts * features}")
+    if len(batch.experts) != layers or any(len(row) != top_k for row in batch.experts):
+        raise Dropped("top_k", f"routing of {len(batch.experts)} rows, expected {layers} rows "
+                               f"of {top_k}")
+    try:
+        routing = np.asarray(batch.experts, np.int64).reshape(layers, top_k)
+    except (OverflowError, TypeError, ValueError):  # an id past int64, or not an id
+        raise Dropped("expert_range", "an expert id that is no int64") from None
+    if routing.size and not (0 <= routing.min() and routing.max() < experts):
+        raise Dropped("expert_range", f"expert id {int(routing.max())}, the model has "
+                                      f"{experts} a layer")
+    if len({(layer, int(e)) for layer, row in enumerate(routing) for e in row}) != routing.size:
+        raise Dropped("duplicate_expert", "an expert twice in one layer's top-k")
+    z = np.frombuffer(batch.per_layer, np.float32).reshape(layers, dims).copy()
+    x = np.frombuffer(batch.per_expert, np.float16).reshape(layers * experts, features)
+    if not (np.isfinite(z).all() and np.isfinite(x).all()):
+        raise Dropped("nonfinite", "NaN or infinite features")
+    return z, x.astype(np.float32), routing

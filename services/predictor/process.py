@@ -5,9 +5,13 @@ One network step per token; the token's routing, carried by the next batch, is i
 Training runs in this process, between batches, so the hot path never waits on it. The
 weights are checkpointed (safetensors + JSON) into ``checkpoint_dir`` every
 ``predictor.checkpoint_every_s`` and at shutdown; a restarted predictor resumes from there
-(else from the warm-up checkpoint, else cold). With ``cluster.redis_url``, a first start
-takes the weights of the peer with the most tokens before the warm-up checkpoint
-(common/cluster.py; what it shares: sharing.py), and a thread publishes this device's weights.
+(else from the warm-up checkpoint, else cold; common/checkpoints.py: a damaged checkpoint of
+its own is moved aside, a failed write such as a full disk is skipped with a warning and tried
+again after ``checkpoint_every_s``). A batch whose values do not fit the model or the
+session's first batch (its dims and features) is dropped and counted (``dropped_<reason>``;
+core.check_batch). With ``cluster.redis_url``, a first start takes the weights of the peer
+with the most tokens before the warm-up checkpoint (common/cluster.py; what it shares:
+sharing.py), and a thread publishes this device's weights.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
-from common.checkpoints import resume
+from common.checkpoints import Throttle, arm_checkpoint_fault, resume
 from common.cluster import (
     ClusterAgent,
     ModelShape,
@@ -34,7 +38,14 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .core import Learner, next_token_recall, prepare_learner
+from .core import (
+    CHECKPOINT_FILES,
+    Dropped,
+    Learner,
+    check_batch,
+    next_token_recall,
+    prepare_learner,
+)
 from .sharing import learner_patterns, write_predictor_checkpoint
 
 
@@ -47,7 +58,11 @@ class PredictorService(Service):
         super().__init__(config, control_endpoint)
         manifest = ExpertStore.open(config.store.path).manifest
         self.layers, self.experts = len(manifest.moe_layers), manifest.num_experts
+        self.top_k = manifest.top_k
         self.checkpoint_dir = Path(checkpoint_dir)
+        arm_checkpoint_fault(self.log)
+        self.disk_warning = Throttle(self.log)
+        self.drop_warning = Throttle(self.log)
         self.learner: Learner | None = None  # made at the first batch (its feature shape)
         prepare_learner(config.predictor)
         self.warmup = warmup
@@ -68,8 +83,8 @@ class PredictorService(Service):
         self.warm_start: dict | None = None
         if config.cluster.redis_url:
             self._join_cluster(manifest, cluster_shape)
-        self.counters.update(batches=0, predictions=0, checkpoints=0, n_gap=0,
-                             n_out_of_order=0, rejected_unexpected=0, rejected_shape=0)
+        self.counters.update(batches=0, predictions=0, checkpoints=0, checkpoint_failures=0,
+                             n_gap=0, n_out_of_order=0, rejected_unexpected=0)
 
     def _join_cluster(self, manifest, shape: ModelShape | None) -> None:
         """A first start (no checkpoint of its own) takes the weights of a peer whose values
@@ -83,8 +98,12 @@ class PredictorService(Service):
             warm = merge(link.fetch_peers(shape))
             if warm is not None:
                 self.warm_start = warm.summary()
-                self.cluster_checkpoint = write_predictor_checkpoint(
-                    warm, self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".cluster"))
+                try:
+                    self.cluster_checkpoint = write_predictor_checkpoint(
+                        warm, self.checkpoint_dir.with_name(self.checkpoint_dir.name +
+                                                            ".cluster"))
+                except OSError as exc:  # a full disk: start without the peer's weights
+                    self.log.warning("cannot write the peer's weights: %s", exc)
         self.cluster = ClusterAgent(link, self._cluster_values, self.name)
         self.cluster.start()
 
@@ -112,7 +131,8 @@ class PredictorService(Service):
         that fits (common/checkpoints.py), else cold."""
         learner = Learner(self.layers, self.experts, dims, features, self.config.predictor)
         self.resumed_from, _ = resume((self.checkpoint_dir, self.cluster_checkpoint,
-                                       self.warmup), "predictor.json", learner.load, self.log)
+                                       self.warmup), "predictor.json", learner.load, self.log,
+                                      CHECKPOINT_FILES)
         return learner
 
     def on_readable(self, sock: zmq.Socket) -> None:
@@ -126,16 +146,13 @@ class PredictorService(Service):
     def handle_batch(self, batch: FeatureBatch) -> None:
         self.counters["batches"] += 1
         missed = self.gaps.observe(batch.source, batch.seq, batch.epoch)
-        N = self.layers * self.experts
         try:
-            z = np.frombuffer(batch.per_layer, np.float32).reshape(self.layers, batch.dims).copy()
-            x = np.frombuffer(batch.per_expert, np.float16).reshape(N, batch.features)
-            routing = np.asarray(batch.experts, np.int64)
-            if routing.shape[0] != self.layers:
-                raise ValueError(f"{routing.shape[0]} layers of routing")
-        except ValueError as exc:
-            self.counters["rejected_shape"] += 1
-            self.log.warning("dropped a feature batch of the wrong shape: %s", exc)
+            z, x, routing = check_batch(batch, self.layers, self.experts, self.top_k,
+                                        *((self.learner.dims, self.learner.features)
+                                          if self.learner is not None else ()))
+        except Dropped as exc:
+            self.counters[f"dropped_{exc.reason}"] += 1
+            self.drop_warning.warning("dropped a feature batch from %s: %s", batch.source, exc)
             return
         if self.learner is None:
             self.learner = self._make_learner(batch.dims, batch.features)
@@ -145,7 +162,7 @@ class PredictorService(Service):
                 self.recall_n += 1
             keys = (routing + (np.arange(self.layers) * self.experts)[:, None]).reshape(-1)
             self.learner.observe(keys)
-        S = self.learner.predict(x.astype(np.float32), z)
+        S = self.learner.predict(x, z)
         self.pending = True
         self.latest = (S, batch.event_seq)
 
@@ -170,8 +187,15 @@ class PredictorService(Service):
             self.last_publish = now
 
     def checkpoint(self) -> None:
-        self.learner.save(self.checkpoint_dir)
+        """Save the learner; a failed write (a full disk) is skipped with a warning, the
+        previous checkpoint kept, and tried again after ``checkpoint_every_s``."""
         self.last_checkpoint = time.monotonic()
+        try:
+            self.learner.save(self.checkpoint_dir)
+        except OSError as exc:
+            self.counters["checkpoint_failures"] += 1
+            self.disk_warning.warning("checkpoint skipped, the previous one kept: %s", exc)
+            return
         self.counters["checkpoints"] += 1
 
     def tune(self, changes: dict, check: bool) -> tuple[list[str], dict[str, str]]:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from common.checkpoints import write_durably, write_text_durably
 from common.cluster import ArraySpecs, WarmStart
 from common.config import PredictorConfig
 
@@ -51,10 +52,10 @@ def write_predictor_checkpoint(warm: WarmStart, folder: str | Path) -> Path | No
         return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: torch.from_numpy(v.astype(np.float32)) for k, v in warm.predictor.items()},
-              str(folder / "predictor.safetensors"))
+    tensors = {k: torch.from_numpy(v.astype(np.float32)) for k, v in warm.predictor.items()}
+    write_durably(folder / "predictor.safetensors", lambda tmp: save_file(tensors, str(tmp)))
     meta = warm.predictor_meta
-    (folder / "predictor.json").write_text(json.dumps({
+    write_text_durably(folder / "predictor.json", json.dumps({
         "params": {"model": meta["model"], "hidden": meta["hidden"]}, "L": meta["L"],
         "E": meta["E"], "dims": meta["dims"], "features": meta["features"], "tokens": 0,
         "steps": int(meta.get("steps", 0)), "cluster": {"from": warm.source,

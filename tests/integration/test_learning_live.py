@@ -186,7 +186,7 @@ def test_malformed_and_wrong_version_messages_are_counted_and_dropped(setup, tmp
             good.publish(AccessEvent("w", 1, t, 0, t, "a", "b", trace.experts[t].tolist(), []))
         current = wait_for(child.control_endpoint, lambda s: s["events"] >= 6,
                            what="the good events")
-        assert current["rejected_shape"] == 1 and current["rejected_wrong_version"] == 1
+        assert current["dropped_layers"] == 1 and current["rejected_wrong_version"] == 1
         assert current["rejected_malformed"] >= 1 and current["batches"] == 5
         assert child.proc.poll() is None
     finally:
