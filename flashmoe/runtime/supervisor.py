@@ -7,11 +7,18 @@ row before it had run ``STABLE_S`` seconds is given up on, and the run ends with
 its log (a broken store, say, cannot be fixed by restarting). ``stop`` ends everything in
 reverse order (SIGTERM, then SIGKILL after a grace period) and leaves no process, socket file
 or shared-memory arena behind.
+
+The socket files of a run are known before it starts (each service's endpoint and control
+socket, and what its spec lists in ``sockets``): at start, one that nothing answers on (left
+by a run that was killed) is removed and one that something answers on is refused
+(``SupervisionError``: another instance uses the runtime folder); at stop, those alone are
+removed, never another file of the folder.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -41,6 +48,7 @@ class ServiceSpec:
     restart: bool = True
     exits_when_done: bool = False  # its clean exit ends the run (the worker with --tokens)
     env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+    sockets: list[str] = field(default_factory=list)  # ipc endpoints it binds beyond its own
 
 
 @dataclass
@@ -53,6 +61,32 @@ class Tracked:
     quick_deaths: int = 0
     next_start: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
+
+
+def answers(path: Path) -> bool:
+    """Whether a process listens on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+            return True
+        except OSError:
+            return False
+
+
+def sweep_stale_sockets(paths: list[Path]) -> list[Path]:
+    """Remove the socket files of ``paths`` that nothing answers on (a killed run's); one
+    that a live process answers on raises ``SupervisionError``. Returns those removed."""
+    removed = []
+    for path in paths:
+        if not path.exists() and not path.is_symlink():
+            continue
+        if answers(path):
+            raise SupervisionError(f"{path} is in use by a live process: another FlashMoE "
+                                   f"instance uses the runtime folder {path.parent}; stop it, "
+                                   f"or give this one another ipc.runtime_dir")
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 class Supervisor:
@@ -70,6 +104,15 @@ class Supervisor:
 
         return control_endpoint_for(self.endpoint(service))
 
+    def socket_paths(self) -> list[Path]:
+        """The socket files this run's services make (and nothing else of the folder)."""
+        endpoints = []
+        for t in self.tracked.values():
+            if t.spec.health_checked:
+                endpoints += [self.endpoint(t.spec.name), self.control_endpoint(t.spec.name)]
+            endpoints += t.spec.sockets
+        return [Path(e[len("ipc://"):]) for e in endpoints if e.startswith("ipc://")]
+
     # --- starting ---------------------------------------------------------------------------
 
     def _start(self, t: Tracked) -> None:
@@ -82,10 +125,13 @@ class Supervisor:
             t.proc = self.launcher.start_plain(spec.name, spec.command, env=spec.env)
 
     def start_all(self) -> None:
+        swept = sweep_stale_sockets(self.socket_paths())
+        if swept:
+            log.info("removed stale socket files %s", [p.name for p in swept])
         for t in self.tracked.values():
             try:
                 self._start(t)
-            except ServiceStartError:
+            except BaseException:  # a service that failed, or a stop (Interrupted) meanwhile
                 self.stop()
                 raise
 
@@ -163,7 +209,12 @@ class Supervisor:
             if t.proc is not None:
                 stop_process(t.proc, timeout_s)
                 t.proc = None
-        self.launcher.children.clear()
-        for path in self.launcher.runtime_dir.glob("*.sock"):
+        self.launcher.stop_all(timeout_s)  # any still starting
+        for path in self.socket_paths():
             path.unlink(missing_ok=True)
         sweep_stale_arenas()
+
+    def exited(self, service: str) -> int | None:
+        """The exit status of a service's current process (None while it runs or restarts)."""
+        t = self.tracked[service]
+        return t.proc.poll() if t.proc is not None else None
