@@ -6,7 +6,9 @@ queue, so the front end never waits on the model. The model is loaded once, on a
 thread while the API already answers (``/health`` is 503 until the engine can serve). Its
 experts come through the cache manager (one ``CacheClient``); one AccessEvent per prompt
 position and decode step goes to the feature extractor (``events``). A cache manager that
-goes away (a restart) is reconnected to at the next request.
+goes away (a restart), or drops this worker (frozen past the heartbeat timeout: ``PinsLost``),
+is reconnected to and the step in progress done again, nothing of it emitted; a block that
+fails to load fails the requests that need it (the engine's ``step``).
 
 The process runs on the service skeleton (common/service.py): SIGTERM/SIGINT end it, after
 which the engine stops, the client releases its pins and the listening socket closes. Once
@@ -58,7 +60,8 @@ def model_name(config: FlashMoEConfig, store: str | Path) -> str:
 
 class Connection:
     """The worker's link to the cache manager. A manager that went away (restarted by its
-    supervisor) fails the request in progress; the next one connects again."""
+    supervisor, or one that dropped this worker) fails the fetch in progress and the client is
+    dropped; the next fetch (the engine does the step again) connects anew."""
 
     def __init__(self, endpoint: str, config: FlashMoEConfig) -> None:
         self.endpoint, self.config = endpoint, config
