@@ -2,8 +2,12 @@
 
 The cache manager, the feature extractor, the predictor and a trace-driven worker run as
 separate processes over ipc sockets in a private runtime folder (``ipc.runtime_dir`` or a
-fresh one); a supervisor restarts whatever dies (with back-off) and Ctrl-C or SIGTERM stops
-everything, leaving no process, socket file or shared-memory arena behind.
+fresh one, removed at a clean end unless ``--keep-logs``; kept, and its path printed, after a
+failure); a supervisor restarts whatever dies (with back-off) and Ctrl-C or SIGTERM stops
+everything, leaving no process, socket file or shared-memory arena behind. ``--home`` is locked
+for the run (a second instance on it is refused with the first's pid); Ctrl-C during start-up
+stops what was started and is one line. A token whose experts fail to load is skipped by the
+worker and counted (``tokens_failed`` in the summary); the run goes on.
 
 What it needs is made on first use, under ``--home`` (default ``.flashmoe/run``): a store of
 random bf16 experts in gpt-oss-20b's shape (``flashmoe synth-store``, at ``DEFAULT_SCALE``: a
@@ -18,8 +22,9 @@ A user's store (``--store``) is run with a routing trace of its model's shape (l
 top-k; ``--trace``, e.g. one made with ``flashmoe trace record``): a trace of another shape is
 refused before anything starts, with what to do instead. A warm-up checkpoint of another shape
 than the store's (the default one is gpt-oss-20b's) is not used: the learned policy starts
-cold, and the run says so. Progress (tokens/s, hit
-rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
+cold, and the run says so. Progress (whole tokens,
+tokens/s as the average since the first sample, as in the summary, and over the last second,
+hit rate, SSD MB/s, learner CPU) is printed every second, a summary at the end.
 
 The control panel (``services/control_panel``) runs as one more supervised process on
 127.0.0.1:``panel.port`` (0: any free port); its URL and token (``panel.token``, else one made

@@ -206,10 +206,12 @@ class ServeWorker(Service):
 
     def serve(self) -> None:
         self.http.start()
-        if self.info is not None:
-            self.info.write_text(json.dumps({"url": self.url, "pid": os.getpid(),
-                                             "model": self.serving.model_name}))
-            self.info.chmod(0o600)
+        if self.info is not None:  # the user's alone from the start, as the runtime folder
+            fd = os.open(self.info, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as info:
+                info.write(json.dumps({"url": self.url, "pid": os.getpid(),
+                                       "model": self.serving.model_name}))
         self.loader.start()
         super().serve()
 
