@@ -165,3 +165,16 @@ def test_the_default_store_counts_as_made_only_when_it_matches(tmp_path):
     made["scale"] = 1.0
     (tmp_path / "config.json").write_text(json.dumps({"flashmoe_synthetic": made}))
     assert not synth_store_made(tmp_path, config)
+
+
+def test_a_trace_of_another_shape_than_the_default_store_is_refused_in_one_line(tmp_path):
+    from common.traces import TraceError, load_trace
+    from flashmoe.runtime.run import check_trace_fits
+
+    check_trace_fits(load_trace("gptoss20b-sample:eval", tmp_path), None)  # the default's own
+    trace = load_trace(str(tiny_trace(tmp_path / "tiny.npz")), tmp_path)
+    with pytest.raises(TraceError) as refused:
+        check_trace_fits(trace, None)
+    message = str(refused.value)
+    assert "(tiny: 2 MoE layers x 8 experts, top-2)" in message and "\n" not in message
+    assert "the default store (24 MoE layers x 32 experts, top-4)" in message
