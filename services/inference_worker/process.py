@@ -19,14 +19,16 @@ endpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
 
+from common.bus import ConfigMismatch
 from common.cache_client import CacheClient, CacheManagerUnavailable, ExpertLoadError
 from common.config import FlashMoEConfig
-from common.service import Service, State, run_service_process
+from common.service import Service, ServiceFailed, State, run_service_process
 from common.traces import TokenStream, Trace
 
 from .core import token_schedule
@@ -168,6 +170,21 @@ class TraceWorker:
                 "failed_experts": sorted([layer, e] for layer, e in self.failed_experts)}
 
 
+class WorkerRefused(ServiceFailed):
+    """The cache manager refused the handshake: restarting cannot help."""
+
+    exit_code = 2
+    what = "a refused handshake"
+
+
+@contextlib.contextmanager
+def refused_as_failure():
+    try:
+        yield
+    except ConfigMismatch as exc:  # ShapeMismatch among them
+        raise WorkerRefused(str(exc)) from None
+
+
 class TraceWorkerService(Service):
     """``run_trace_worker``'s replay as a service: ``serve`` is the client loop."""
 
@@ -193,8 +210,9 @@ class TraceWorkerService(Service):
         return self.state is not State.RUNNING
 
     def connect(self) -> CacheClient:
-        """A client after a handshake that a stop interrupts."""
-        with self.interruptible():
+        """A client after a handshake that a stop interrupts; a manager that refuses this
+        worker (another config, another model's shape) ends it with ``WorkerRefused``."""
+        with self.interruptible(), refused_as_failure():
             return CacheClient(self.cache_endpoint, self.client_config, name=self.worker_name)
 
     def reconnect(self) -> CacheClient:
@@ -265,7 +283,9 @@ def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: 
     connect). ``token_ms``: a decode step lasts at least this long, layer l starting no sooner
     than l/L of it (the worker waits, as for a model's compute). ``compute``: run each layer's
     experts on the fetched weights (transformers' eager code), as a model would.
-    ``control_endpoint``: answer health and stats there."""
+    ``control_endpoint``: answer health and stats there. A worker that failed (a refused
+    handshake: status 2), or was stopped before it replayed, ends the process with
+    ``SystemExit`` and its status."""
     stop = trace.n_tokens if tokens is None else min(trace.n_tokens, start + tokens)
     made: list[TraceWorkerService] = []
 
@@ -274,5 +294,7 @@ def run_trace_worker(config: FlashMoEConfig | None, cache_endpoint: str, trace: 
                                        settle_s, token_ms, loop, compute, control_endpoint))
         return made[0]
 
-    run_service_process(make, TraceWorkerService.name)
+    status = run_service_process(make, TraceWorkerService.name)
+    if status or not made or not made[0].result:  # failed, or stopped before it replayed
+        raise SystemExit(status)
     return made[0].result

@@ -103,3 +103,17 @@ def test_a_worker_frozen_past_the_heartbeat_timeout_reconnects_and_finishes(tiny
             proc.wait()
     figures = json.loads(out.read_text())
     assert figures["tokens"] == 200 and figures["reconnects"] >= 1
+
+
+def test_a_refused_handshake_ends_the_worker_with_one_line_and_status_2(tiny_store, tmp_path,
+                                                                       start_manager):
+    """Another config (or, with the cache manager's shape check, another model's shape):
+    restarting cannot help, so the worker exits 2 (no traceback) for its supervisor."""
+    manager = start_manager(tiny_store)
+    path = tmp_path / "trace.npz"
+    save_trace(routing([GOOD] * 4), path)
+    done = subprocess.run(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
+                                      str(path), "--set", "cache.capacity_experts=7"),
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "configuration differs" in done.stderr
