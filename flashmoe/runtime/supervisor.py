@@ -4,7 +4,9 @@ Each service is started through the ``Launcher`` (its log in ``<runtime_dir>/<se
 healthy once its control socket answers). A service that exits is restarted after a back-off
 (``BACKOFF_S``, doubling up to ``BACKOFF_MAX_S``); one that dies ``GIVE_UP_AFTER`` times in a
 row before it had run ``STABLE_S`` seconds is given up on, and the run ends with the tail of
-its log (a broken store, say, cannot be fixed by restarting). ``stop`` ends everything in
+its log (a broken store, say, cannot be fixed by restarting). One that exits with status
+``REFUSED_STATUS`` (2: refused by a peer or the system, e.g. a worker of another config or
+model shape, a port in use) is not restarted at all: the run ends with that reason, one line. ``stop`` ends everything in
 reverse order (SIGTERM, then SIGKILL after a grace period) and leaves no process, socket file
 or shared-memory arena behind.
 
@@ -34,6 +36,14 @@ BACKOFF_S = 0.5
 BACKOFF_MAX_S = 15.0
 STABLE_S = 20.0
 GIVE_UP_AFTER = 5
+REFUSED_STATUS = 2  # a service refused by a peer or the system (a config, a shape, a port)
+
+
+def last_error(path: Path) -> str:
+    """The last line of a log that says what went wrong (else its last line)."""
+    lines = [line for line in log_tail(path, 50).splitlines() if line.strip()]
+    errors = [line for line in lines if "ERROR" in line or "error:" in line]
+    return (errors or lines or ["(no log)"])[-1].strip()
 
 
 class SupervisionError(RuntimeError):
@@ -161,6 +171,10 @@ class Supervisor:
             if not t.spec.restart:
                 raise SupervisionError(f"{t.spec.name} exited with status {code}:\n"
                                        f"{log_tail(self._log_path(t))}")
+            if code == REFUSED_STATUS:
+                raise SupervisionError(
+                    f"{t.spec.name} was refused, which a restart cannot change: "
+                    f"{last_error(self._log_path(t))} (its log: {self._log_path(t)})")
             t.quick_deaths += 1 if now - t.started < STABLE_S else 0
             if t.quick_deaths >= GIVE_UP_AFTER:
                 raise SupervisionError(

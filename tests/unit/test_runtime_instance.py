@@ -178,3 +178,21 @@ def test_a_trace_of_another_shape_than_the_default_store_is_refused_in_one_line(
     message = str(refused.value)
     assert "(tiny: 2 MoE layers x 8 experts, top-2)" in message and "\n" not in message
     assert "the default store (24 MoE layers x 32 experts, top-4)" in message
+
+
+def test_a_service_refused_with_status_2_is_not_restarted_and_the_run_says_why(tmp_path):
+    import time
+
+    spec = ServiceSpec("worker", ["no-such-command"], health_checked=False)  # argparse: 2
+    supervisor = Supervisor(load_config(env={}), tmp_path, [spec])
+    supervisor.start_all()
+    try:
+        deadline = time.monotonic() + 120
+        with pytest.raises(SupervisionError, match="was refused") as refused:
+            while time.monotonic() < deadline:
+                supervisor.poll()
+                time.sleep(0.1)
+    finally:
+        supervisor.stop()
+    assert "invalid choice" in str(refused.value) and "\n" not in str(refused.value)
+    assert supervisor.restarts() == {"worker": 0}
