@@ -32,3 +32,11 @@ def acquire_schedule(experts: np.ndarray) -> Iterator[tuple[int, int, list[int],
     for token, row in enumerate(experts.tolist()):
         for layer, selected, release in token_schedule(row):
             yield token, layer, selected, release
+
+
+def model_shape(layers: int, experts: int, top_k: int, expert_bytes: int = 0) -> dict[str, int]:
+    """The model's shape a worker sends in its handshake (``CacheClient(shape=)``), for the
+    cache manager to refuse a worker of another model: MoE layers, experts a layer, top-k and
+    the bytes of an expert (0: unknown, not compared)."""
+    return {"layers": int(layers), "experts": int(experts), "top_k": int(top_k),
+            "expert_bytes": int(expert_bytes)}

@@ -31,7 +31,7 @@ from common.config import FlashMoEConfig
 from common.service import Service, ServiceFailed, State, run_service_process
 from common.traces import TokenStream, Trace
 
-from .core import token_schedule
+from .core import model_shape, token_schedule
 from .events import EventPublisher
 
 log = logging.getLogger("flashmoe.trace_worker")
@@ -213,7 +213,9 @@ class TraceWorkerService(Service):
         """A client after a handshake that a stop interrupts; a manager that refuses this
         worker (another config, another model's shape) ends it with ``WorkerRefused``."""
         with self.interruptible(), refused_as_failure():
-            return CacheClient(self.cache_endpoint, self.client_config, name=self.worker_name)
+            return CacheClient(self.cache_endpoint, self.client_config, name=self.worker_name,
+                               shape=model_shape(self.trace.num_layers, self.trace.num_experts,
+                                                 self.trace.top_k))
 
     def reconnect(self) -> CacheClient:
         """``connect`` again, up to ``RECONNECT_TRIES`` handshakes (the manager may be

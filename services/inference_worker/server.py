@@ -33,7 +33,7 @@ from common.store import StoreError
 from .api import ServingState, make_app
 from .engine import Engine
 from .events import EventPublisher
-from .generate import arena_fetch, load_tokenizer, same_store
+from .generate import arena_fetch, load_tokenizer, same_store, store_model_shape
 from .metrics import RequestMetrics
 from .model_runner import ModelRunner
 
@@ -63,15 +63,17 @@ class Connection:
     supervisor, or one that dropped this worker) fails the fetch in progress and the client is
     dropped; the next fetch (the engine does the step again) connects anew."""
 
-    def __init__(self, endpoint: str, config: FlashMoEConfig) -> None:
-        self.endpoint, self.config = endpoint, config
+    def __init__(self, endpoint: str, config: FlashMoEConfig,
+                 shape: dict[str, int] | None = None) -> None:
+        self.endpoint, self.config, self.shape = endpoint, config, shape
         self.client: CacheClient | None = None
         self.runner: ModelRunner | None = None
         self.connect()
 
     def connect(self) -> CacheClient:
         if self.client is None:
-            self.client = CacheClient(self.endpoint, self.config, name="serve")
+            self.client = CacheClient(self.endpoint, self.config, name="serve",
+                                      shape=self.shape)
             self._fetch = arena_fetch(self.client)
             if self.runner is not None:
                 self.runner._last_layer = None  # the new manager holds no pins of ours
@@ -190,7 +192,8 @@ class ServeWorker(Service):
             if self.events:
                 self.publisher = EventPublisher(self.config, self.events,
                                                 f"serve[{os.getpid()}]")
-            self.connection = Connection(self.cache_endpoint, self.config)
+            self.connection = Connection(self.cache_endpoint, self.config,
+                                         store_model_shape(self.store))
             engine, tokenizer = build_engine(self.config, self.store, self.connection,
                                              self.publisher)
             engine.start()

@@ -117,3 +117,22 @@ def test_a_refused_handshake_ends_the_worker_with_one_line_and_status_2(tiny_sto
                           env=child_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "configuration differs" in done.stderr
+
+
+def test_a_trace_of_another_shape_is_refused_at_the_handshake_with_both_shapes(tiny_store,
+                                                                               tmp_path,
+                                                                               start_manager):
+    """Needs the cache manager's shape check (helper cm): before it, the manager took the
+    worker and failed on its first expert id out of range."""
+    manager = start_manager(tiny_store)
+    path = tmp_path / "trace.npz"
+    rows = [[[0, 1], [2, 4], [5, 6]]] * 4  # three MoE layers: the store has two
+    save_trace(Trace("three-layers", np.array(rows, dtype=np.int16), np.array([0, 4]), 8,
+                     "other"), path)
+    done = subprocess.run(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
+                                      str(path)),
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert "'layers': 3" in done.stderr and "'layers': 2" in done.stderr
+    assert manager.proc.poll() is None
