@@ -374,8 +374,9 @@ def run(config: FlashMoEConfig, home: Path, store: str | None = None, warmup: st
                     f"peers){': ' + link['reason'] if link['reason'] else ''}")
             p = progress.sample(snapshot["cache_manager"], snapshot["feature_extractor"],
                                 snapshot["predictor"])
-            say(f"[run] {p['tokens']:8d} tokens  {p['tokens_per_s']:6.2f} tok/s (last "
-                f"{p['window_s']:.0f} s: {p['recent_tokens_per_s']:.2f})  hit "
+            recent = f" (last {p['window_s']:.0f} s: {p['recent_tokens_per_s']:.2f})" \
+                if p["window_s"] else ""
+            say(f"[run] {p['tokens']:8d} tokens  {p['tokens_per_s']:6.2f} tok/s{recent}  hit "
                 f"{p['hit_rate']:.3f}  SSD {p['ssd_mb_per_s']:7.1f} MB/s  learner "
                 f"{p['learner_cpu_ms_per_token']:.2f} ms/tok  estimate {p['estimate']}")
             time.sleep(PROGRESS_S)
