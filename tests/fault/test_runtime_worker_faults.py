@@ -74,8 +74,8 @@ def test_a_restarted_cache_manager_is_reconnected_to_and_the_token_done_again(ti
 def test_a_worker_frozen_past_the_heartbeat_timeout_reconnects_and_finishes(tiny_store,
                                                                             tmp_path,
                                                                             start_manager):
-    """Needs the cache manager's ``PinsLost`` (helper cm): before it, the resumed worker's
-    next acquire gets a raw ProtocolError and the worker exits."""
+    """The cache manager drops the frozen worker and tells it so at its next request
+    (``PinsLost``); the worker reconnects and does the token again."""
     beat = ["ipc.heartbeat_interval_s=0.2", "ipc.heartbeat_timeout_s=1"]
     manager = start_manager(tiny_store, *beat)
     path = tmp_path / "trace.npz"
@@ -122,8 +122,8 @@ def test_a_refused_handshake_ends_the_worker_with_one_line_and_status_2(tiny_sto
 def test_a_trace_of_another_shape_is_refused_at_the_handshake_with_both_shapes(tiny_store,
                                                                                tmp_path,
                                                                                start_manager):
-    """Needs the cache manager's shape check (helper cm): before it, the manager took the
-    worker and failed on its first expert id out of range."""
+    """The worker sends its trace's shape in the handshake; the cache manager refuses
+    another store's shape with both in the message, and stays up."""
     manager = start_manager(tiny_store)
     path = tmp_path / "trace.npz"
     rows = [[[0, 1], [2, 4], [5, 6]]] * 4  # three MoE layers: the store has two
