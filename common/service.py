@@ -16,10 +16,18 @@ ends) and ``close_resources()`` (files, threads and memory, after it). A service
 go on raises ``ServiceFailed``: the process exits with its ``exit_code`` so that a supervisor
 restarts it. A service given no control endpoint has no control socket (a client of the
 others', such as the panel and the worker).
+
+While a service is being built (``make()``), and wherever it waits in ``interruptible()`` (a
+handshake with a peer that may never come), SIGTERM and SIGINT raise ``Interrupted`` instead
+of flipping the state, so that the clean-up of what is half made runs (``try``/``finally``,
+``except BaseException``) and the process ends at once; in the loop they only flip the state.
+The parent-death signal is armed first thing; a process whose parent (``PARENT_PID_ENV``, set
+by the launcher) died before that exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import logging
@@ -38,6 +46,7 @@ from common.config import FlashMoEConfig
 from common.protocol import Message
 
 TICK_S = 0.1
+PARENT_PID_ENV = "FMOE_PARENT_PID"  # the launcher's pid (not FLASHMOE_*: those are config)
 
 
 class State(enum.Enum):
@@ -54,13 +63,52 @@ class ServiceFailed(RuntimeError):
     what = "a failure"
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while a process was setting up (or waiting in
+    ``interruptible``): a BaseException, so that the usual ``except Exception`` lets it pass
+    and only clean-up code sees it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def raising_signals(stop_requested: Callable[[], bool] = lambda: False):
+    """SIGTERM and SIGINT raise ``Interrupted`` inside the block (the main thread's handlers;
+    elsewhere a no-op); the previous handlers come back after it. A stop already requested
+    (``stop_requested()``) raises at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_interrupted)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if stop_requested():
+            raise Interrupted(signal.SIGTERM)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def arm_parent_death_signal() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (Linux only)."""
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux only). A parent
+    named in ``PARENT_PID_ENV`` that is already gone (it died before this was armed) ends
+    this process at once with ``Interrupted``. The variable is consumed: children of this
+    process do not inherit it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is not None and parent.isdigit() and os.getppid() != int(parent):
+        raise Interrupted(signal.SIGTERM)
 
 
 def setup_process_logging() -> None:
@@ -129,6 +177,12 @@ class Service:
         if self.state is State.RUNNING:
             self.state = State.STOP_REQUESTED
 
+    def interruptible(self):
+        """A block (a handshake, a reconnection) that SIGTERM/SIGINT end at once with
+        ``Interrupted`` rather than after its own timeout; a stop already requested raises
+        on entry."""
+        return raising_signals(lambda: self.state is not State.RUNNING)
+
     def serve(self) -> None:
         """Poll ``sockets()`` and tick until stopped."""
         poller = zmq.Poller()
@@ -163,32 +217,50 @@ class Service:
             self.on_exit(exc)
             raise
         finally:
-            if self.control is not None:
-                self.control.close()
-            self.close_sockets()
-            self.ctx.term()
-            self.close_resources()
+            self.close()
+
+    def close(self) -> None:
+        """Control socket, sockets, context, then resources (what ``run`` ends with)."""
+        if self.control is not None:
+            self.control.close()
+        self.close_sockets()
+        self.ctx.term()
+        self.close_resources()
 
 
 def run_service_process(make: Callable[[], Service], name: str = "service") -> int:
     """Process entry of a service: parent-death signal, logging, signals, the loop; returns
-    the exit status (``ServiceFailed.exit_code`` when it failed, else 0)."""
-    arm_parent_death_signal()
+    the exit status (``ServiceFailed.exit_code`` when it failed, else 0). A stop during set-up
+    (SIGTERM/SIGINT raise ``Interrupted`` while ``make()`` runs, so the half-made service's
+    own clean-up runs) or in an ``interruptible`` wait is one log line and status 0."""
     setup_process_logging()
     log = logging.getLogger(f"flashmoe.{name}")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_interrupted)
+    service = None
     try:
+        arm_parent_death_signal()
         service = make()
+        # from here on a signal only flips the state: the loop ends, the hooks clean up
+        signal.signal(signal.SIGTERM, service.request_stop)
+        signal.signal(signal.SIGINT, service.request_stop)
+    except Interrupted as exc:
+        if service is not None:  # built, but stopped before its loop: closed as after it
+            service.close()
+        log.info("%s %s while starting", name, exc)
+        return 0
     except ServiceFailed as exc:
         log.error("%s", exc)
         return exc.exit_code
     except Exception:
         log.error("%s failed to start:\n%s", name, traceback.format_exc())
         raise
-    signal.signal(signal.SIGTERM, service.request_stop)
-    signal.signal(signal.SIGINT, service.request_stop)
     service.log.info("%s, pid %d", service.banner(), os.getpid())
     try:
         service.run()
+    except Interrupted as exc:
+        service.log.info("%s %s", service.name, exc)
+        return 0
     except ServiceFailed as exc:
         service.log.error("exiting after %s: %s", exc.what, exc)
         return exc.exit_code

@@ -12,7 +12,22 @@ from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_war
 from flashmoe.reports import write_json
 
 
+def stopped_early(command: str, exc) -> int:
+    """One line for a Ctrl-C or SIGTERM before the services ran; the shell's status for it."""
+    print(f"flashmoe {command}: {exc} during start-up; nothing is left running",
+          file=sys.stderr)
+    return 128 + exc.signum
+
+
+def instance_refused(command: str, exc) -> int:
+    """One line for a home or runtime folder that cannot be this instance's."""
+    print(f"flashmoe {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def cmd_run(args) -> int:
+    from common.service import Interrupted
+    from flashmoe.runtime.launch import HomeInUse, RuntimeDirError
     from flashmoe.runtime.run import format_summary, run
     from flashmoe.runtime.supervisor import SupervisionError
 
@@ -21,7 +36,13 @@ def cmd_run(args) -> int:
     try:
         summary = run(settings, Path(args.home), args.store, args.warmup, args.trace,
                       None if args.loop else args.tokens, args.loop, args.token_ms,
-                      traces_dir(args))
+                      traces_dir(args), keep_logs=args.keep_logs)
+    except (HomeInUse, RuntimeDirError) as exc:
+        return instance_refused("run", exc)
+    except Interrupted as exc:
+        return stopped_early("run", exc)
+    except KeyboardInterrupt:  # before run() took the signals over
+        return stopped_early("run", Interrupted(2))
     except SupervisionError:
         return 1
     print(format_summary(summary))
@@ -31,7 +52,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from common.service import Interrupted
     from common.store import StoreError
+    from flashmoe.runtime.launch import HomeInUse, RuntimeDirError
     from flashmoe.runtime.serve import serve
     from flashmoe.runtime.supervisor import SupervisionError
 
@@ -40,10 +63,16 @@ def cmd_serve(args) -> int:
         first.append(f"cache.capacity_experts={args.capacity}")
     settings = config(args, first=first)
     try:
-        serve(settings, args.store, Path(args.home), args.warmup)
+        serve(settings, args.store, Path(args.home), args.warmup, keep_logs=args.keep_logs)
     except StoreError as exc:
         print(f"flashmoe serve: {exc}", file=sys.stderr)
         return 2
+    except (HomeInUse, RuntimeDirError) as exc:
+        return instance_refused("serve", exc)
+    except Interrupted as exc:
+        return stopped_early("serve", exc)
+    except KeyboardInterrupt:
+        return stopped_early("serve", Interrupted(2))
     except SupervisionError:
         return 1
     return 0
@@ -68,6 +97,12 @@ def cmd_config(args) -> int:
     return 0
 
 
+def add_keep_logs(p) -> None:
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the runtime folder (logs, config) after a clean exit; it is "
+                        "always kept after a failure")
+
+
 def register(sub) -> None:
     p = sub.add_parser("run", help="the whole system as supervised local processes (the main "
                                    "job)")
@@ -84,6 +119,7 @@ def register(sub) -> None:
     p.add_argument("--token-ms", type=float, default=0.0,
                    help="a decode step lasts at least this long (a model's pace)")
     add_json(p, help="write the summary")
+    add_keep_logs(p)
     add_config_flags(p)
     p.set_defaults(func=cmd_run)
 
@@ -95,6 +131,7 @@ def register(sub) -> None:
     add_warmup(p, help="a warm-up checkpoint of this model (`flashmoe warmup --store STORE "
                        "--text FILE`); default: the state kept under --home, else cold")
     p.add_argument("--capacity", type=int, help="experts the cache holds (cache.capacity_experts)")
+    add_keep_logs(p)
     add_config_flags(p)
     p.set_defaults(func=cmd_serve)
 

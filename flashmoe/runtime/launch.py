@@ -5,12 +5,20 @@ Every child runs ``python -m flashmoe <service command>`` with its output in
 health check, and one that dies before that raises ``ServiceStartError`` quoting the tail of
 its log. Shared-memory arenas left in /dev/shm by dead processes are swept when a launcher
 starts.
+
+The runtime folder is private: made (or forced) to mode 0700 and owned by the user (a folder
+of another user, or a link, is refused with ``RuntimeDirError``), and every file in it is
+0600; children run with umask 077, so their sockets, logs and info files are the user's alone.
+Children run in a session of their own (a Ctrl-C at the terminal reaches the launcher alone,
+which stops them) and know the launcher's pid (``PARENT_PID_ENV``): they arm the parent-death
+signal and exit if it is already gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -20,18 +28,102 @@ from pathlib import Path
 from common.arena import sweep_stale_arenas
 from common.bus import ServiceUnavailable, control_endpoint_for, health, ipc_endpoint
 from common.config import FlashMoEConfig
+from common.service import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 20
+
+
+CHILD_UMASK = 0o077  # what a child makes is its user's alone
 
 
 class ServiceStartError(RuntimeError):
     """A child service died or did not answer its health check at start."""
 
 
+class RuntimeDirError(OSError):
+    """The runtime folder cannot be made private (another user's, a link, not a folder)."""
+
+
+class HomeInUse(RuntimeError):
+    """Another `flashmoe run`/`serve` holds the home folder's lock."""
+
+
+HOME_LOCK = "instance.lock"
+
+
+def lock_home(home: Path, command: str):
+    """An exclusive advisory lock on ``home`` (``<home>/instance.lock``, holding the pid) for
+    as long as the returned file stays open; another holder raises ``HomeInUse`` naming its
+    pid. The kernel lets go of it when the process ends, however it ends."""
+    import fcntl
+
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / HOME_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    lock = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise HomeInUse(f"{home} is in use by another FlashMoE instance (pid {holder}); stop "
+                        f"it, or give this {command} another --home") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+    """This environment, the project on PYTHONPATH, and this process's pid as the child's
+    parent (``PARENT_PID_ENV``)."""
+    return {**os.environ, PARENT_PID_ENV: str(os.getpid()), "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def private_runtime_dir(path: Path) -> Path:
+    """``path`` made (or forced) to mode 0700 with every file in it 0600; a folder of another
+    user, or a link, is refused with ``RuntimeDirError`` (one line naming it)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"runtime folder {path} (ipc.runtime_dir) is not a folder but a "
+                              f"link or a file; give a folder of your own")
+    if info.st_uid != os.getuid():
+        raise RuntimeDirError(f"runtime folder {path} (ipc.runtime_dir) belongs to uid "
+                              f"{info.st_uid}, not to you (uid {os.getuid()}); give a folder "
+                              f"of your own")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    for entry in path.iterdir():
+        mode = os.lstat(entry).st_mode
+        if stat.S_ISREG(mode) and stat.S_IMODE(mode) & 0o077:
+            os.chmod(entry, stat.S_IMODE(mode) & 0o700)
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into ``path``, readable by its user alone (0600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def open_log(path: Path):
+    """A child's log, appended to, 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
+def popen_child(command: list[str], env: dict | None, log_file) -> subprocess.Popen:
+    """A child process as the launcher starts it: its output in ``log_file``, umask 077, a
+    session of its own."""
+    return subprocess.Popen(command, env={**child_env(), **(env or {})}, stdout=log_file,
+                            stderr=subprocess.STDOUT, umask=CHILD_UMASK,
+                            start_new_session=True)
 
 
 def cli_command(*args: str) -> list[str]:
@@ -110,12 +202,11 @@ class Launcher:
 
     def __init__(self, config: FlashMoEConfig, runtime_dir: Path) -> None:
         self.config = config
-        self.runtime_dir = runtime_dir
-        runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.runtime_dir = private_runtime_dir(runtime_dir)
         self.children: dict[str, Child] = {}
         self.swept = sweep_stale_arenas()
         self.config_path = runtime_dir / "config.json"
-        self.config_path.write_text(json.dumps(config.to_dict(), indent=1))
+        write_private(self.config_path, json.dumps(config.to_dict(), indent=1))
 
     def endpoint(self, service: str) -> str:
         """The main endpoint a service of this launcher binds (known before it starts)."""
@@ -138,9 +229,8 @@ class Launcher:
             log_path = self.runtime_dir / f"{service}.log"
             args = [*command, "--endpoint", endpoint, "--control-endpoint", control,
                     "--config", str(self.config_path)]
-            with open(log_path, "ab") as log_file:
-                proc = subprocess.Popen(cli_command(*args), env={**child_env(), **(env or {})},
-                                        stdout=log_file, stderr=subprocess.STDOUT)
+            with open_log(log_path) as log_file:
+                proc = popen_child(cli_command(*args), env, log_file)
             child = Child(service, proc, log_path, endpoint, control, args)
             self.children[service] = child
             started.append(child)
@@ -148,7 +238,7 @@ class Launcher:
             for child in started:
                 wait_healthy(child.proc, child.control_endpoint, child.log_path, child.service,
                              ready_timeout_s)
-        except ServiceStartError:
+        except BaseException:  # a child that failed, or a stop (Interrupted) meanwhile
             for child in started:
                 stop_process(child.proc)
                 del self.children[child.service]
@@ -160,10 +250,9 @@ class Launcher:
         """A process without a control socket (a worker): its log, the config file, no
         health check."""
         log_path = self.runtime_dir / f"{service}.log"
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen(cli_command(*command, "--config", str(self.config_path)),
-                                    env={**child_env(), **(env or {})}, stdout=log_file,
-                                    stderr=subprocess.STDOUT)
+        with open_log(log_path) as log_file:
+            return popen_child(cli_command(*command, "--config", str(self.config_path)), env,
+                               log_file)
 
     def stop_all(self, timeout_s: float = 10.0) -> dict[str, int]:
         codes = {name: stop_process(child.proc, timeout_s)

@@ -12,18 +12,17 @@ The learned state lives under ``--home``, one folder per store (``learned_state_
 predictor's checkpoint and the extractor's tables, resumed on the next start. A model never
 seen starts cold; ``--warmup`` (a checkpoint of this model's shape, `flashmoe warmup --store
 STORE --text FILE`) starts it warm. The store itself is only read. Ctrl-C or SIGTERM stop
-everything and leave no process, socket file, arena or runtime folder behind.
+everything and leave no process, socket file, arena or runtime folder behind (``--keep-logs``,
+or a failure, keeps the folder and prints its path). ``--home`` is locked while it serves: a
+second instance on it is refused with the first's pid.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,8 +30,11 @@ from pathlib import Path
 
 from common.bus import control_endpoint_for, ipc_endpoint
 from common.config import ConfigError, FlashMoEConfig
+from common.service import Interrupted, raising_signals
 from common.store import CONFIG_NAME, ExpertStore, StoreError
-from flashmoe.runtime.run import check_panel_port, panel_spec, wait_panel_url
+from flashmoe.runtime.launch import lock_home
+from flashmoe.runtime.run import (check_panel_port, end_runtime, instance_config, panel_spec,
+                                  wait_panel_url)
 from flashmoe.runtime.supervisor import ServiceSpec, SupervisionError, Supervisor
 
 READY_TIMEOUT_S = 600.0  # loading a large model's non-expert weights takes a while
@@ -119,51 +121,52 @@ def wait_ready(supervisor: Supervisor, runtime: Path, stop: dict, say,
 
 
 def serve(config: FlashMoEConfig, store: str, home: Path, warmup: str | None = None,
-          out=sys.stdout) -> dict:
-    """Serve until Ctrl-C or SIGTERM; returns the last /stats."""
+          keep_logs: bool = False, out=sys.stdout) -> dict:
+    """Serve until Ctrl-C or SIGTERM; returns the last /stats. ``home`` is locked while it
+    serves (``HomeInUse``); a signal during set-up raises ``Interrupted`` once what was started
+    is stopped. The runtime folder goes at the end unless ``keep_logs`` or a failure."""
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     from services.control_panel.process import INFO_FILE as PANEL_INFO
-    from services.control_panel.process import new_token
     from services.inference_worker.server import model_name
 
-    opened = check_store(store)
-    check_port(config.serve.host, config.serve.port, "serve.port")
-    check_panel_port(config.panel.port)
-    store = str(opened.path)
-    state = learned_state_dir(home, opened)
-    state.mkdir(parents=True, exist_ok=True)
-    fresh = not any(state.iterdir())
-    own_runtime = not config.ipc.runtime_dir
-    runtime = Path(config.ipc.runtime_dir) if not own_runtime else \
-        Path(tempfile.mkdtemp(prefix="flashmoe-serve-"))
-    token = config.panel.token or new_token()
-    config = dataclasses.replace(config, store=dataclasses.replace(config.store, path=store),
-                                 panel=dataclasses.replace(config.panel, token=""))
     stop = {"requested": False}
 
     def request_stop(*_args):
         stop["requested"] = True
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    supervisor = None
+    lock = supervisor = runtime = None
+    own_runtime = not config.ipc.runtime_dir
+    failed = True
     last: dict = {}
     try:
-        events = f"ipc://{runtime}/worker.events.sock"
-        endpoint = lambda service: ipc_endpoint(runtime, service)  # noqa: E731
-        specs = learning_specs(store, state, events, warmup, endpoint)
-        specs.append(panel_spec(runtime, config.panel.port, token))
-        specs.append(ServiceSpec("worker", [
-            "serve-worker", store, "--cache", endpoint("cache_manager"), "--events", events,
-            "--predictor-control", control_endpoint_for(endpoint("predictor")),
-            "--runtime-dir", str(runtime)], health_checked=False))
-        supervisor = Supervisor(config, runtime, specs)
-        say(f"[serve] {model_name(config, store)}: learned state in {state} "
-            f"({'cold: a model not seen before' if fresh and not warmup else 'resumed' if not fresh else 'warm-up ' + warmup})")
-        say(f"[serve] runtime folder {runtime}; logs: {runtime}/<service>.log")
-        supervisor.start_all()
+        with raising_signals(lambda: stop["requested"]):
+            lock = lock_home(home, "serve")
+            opened = check_store(store)
+            check_port(config.serve.host, config.serve.port, "serve.port")
+            check_panel_port(config.panel.port)
+            store = str(opened.path)
+            state = learned_state_dir(home, opened)
+            state.mkdir(parents=True, exist_ok=True)
+            fresh = not any(state.iterdir())
+            runtime, token, config = instance_config(config, store, "serve")
+            events = f"ipc://{runtime}/worker.events.sock"
+            endpoint = lambda service: ipc_endpoint(runtime, service)  # noqa: E731
+            specs = learning_specs(store, state, events, warmup, endpoint)
+            specs.append(panel_spec(runtime, config.panel.port, token))
+            specs.append(ServiceSpec("worker", [
+                "serve-worker", store, "--cache", endpoint("cache_manager"), "--events", events,
+                "--predictor-control", control_endpoint_for(endpoint("predictor")),
+                "--runtime-dir", str(runtime)], health_checked=False, sockets=[events]))
+            supervisor = Supervisor(config, runtime, specs)
+            how = ("cold: a model not seen before" if fresh and not warmup else
+                   "resumed" if not fresh else "warm-up " + warmup)
+            say(f"[serve] {model_name(config, store)}: learned state in {state} ({how})")
+            say(f"[serve] runtime folder {runtime}; logs: {runtime}/<service>.log")
+            supervisor.start_all()
         url = wait_ready(supervisor, runtime, stop, say)
         if url is not None:
-            panel = wait_panel_url(runtime)
+            panel = wait_panel_url(runtime, exited=lambda: supervisor.exited("panel"))
             say(f"[serve] control panel {panel}  token {token}" if panel else
                 f"[serve] the control panel did not start; see {runtime}/panel.log")
             say(f"[serve] OpenAI-compatible API on {url}/v1 (model "
@@ -181,7 +184,11 @@ def serve(config: FlashMoEConfig, store: str, home: Path, warmup: str | None = N
                     say(f"[serve] {line}")
                     shown = line
             time.sleep(0.2)
+        failed = False
         return last
+    except Interrupted:
+        failed = False  # stopped by the user: nothing to look into
+        raise
     except SupervisionError as exc:
         say(f"[serve] stopping: {exc}")
         raise
@@ -190,9 +197,11 @@ def serve(config: FlashMoEConfig, store: str, home: Path, warmup: str | None = N
             supervisor.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        (runtime / PANEL_INFO).unlink(missing_ok=True)
-        if own_runtime:
-            shutil.rmtree(runtime, ignore_errors=True)
+        if runtime is not None:
+            (runtime / PANEL_INFO).unlink(missing_ok=True)
+            end_runtime(runtime, own_runtime, keep_logs or failed, say, "serve")
+        if lock is not None:
+            lock.close()
 
 
 def fetch_stats(url: str) -> dict | None:

@@ -4,14 +4,23 @@ Each service is started through the ``Launcher`` (its log in ``<runtime_dir>/<se
 healthy once its control socket answers). A service that exits is restarted after a back-off
 (``BACKOFF_S``, doubling up to ``BACKOFF_MAX_S``); one that dies ``GIVE_UP_AFTER`` times in a
 row before it had run ``STABLE_S`` seconds is given up on, and the run ends with the tail of
-its log (a broken store, say, cannot be fixed by restarting). ``stop`` ends everything in
+its log (a broken store, say, cannot be fixed by restarting). One that exits with status
+``REFUSED_STATUS`` (2: refused by a peer or the system, e.g. a worker of another config or
+model shape, a port in use) is not restarted at all: the run ends with that reason, one line. ``stop`` ends everything in
 reverse order (SIGTERM, then SIGKILL after a grace period) and leaves no process, socket file
 or shared-memory arena behind.
+
+The socket files of a run are known before it starts (each service's endpoint and control
+socket, and what its spec lists in ``sockets``): at start, one that nothing answers on (left
+by a run that was killed) is removed and one that something answers on is refused
+(``SupervisionError``: another instance uses the runtime folder); at stop, those alone are
+removed, never another file of the folder.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -27,6 +36,14 @@ BACKOFF_S = 0.5
 BACKOFF_MAX_S = 15.0
 STABLE_S = 20.0
 GIVE_UP_AFTER = 5
+REFUSED_STATUS = 2  # a service refused by a peer or the system (a config, a shape, a port)
+
+
+def last_error(path: Path) -> str:
+    """The last line of a log that says what went wrong (else its last line)."""
+    lines = [line for line in log_tail(path, 50).splitlines() if line.strip()]
+    errors = [line for line in lines if "ERROR" in line or "error:" in line]
+    return (errors or lines or ["(no log)"])[-1].strip()
 
 
 class SupervisionError(RuntimeError):
@@ -41,6 +58,7 @@ class ServiceSpec:
     restart: bool = True
     exits_when_done: bool = False  # its clean exit ends the run (the worker with --tokens)
     env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+    sockets: list[str] = field(default_factory=list)  # ipc endpoints it binds beyond its own
 
 
 @dataclass
@@ -53,6 +71,32 @@ class Tracked:
     quick_deaths: int = 0
     next_start: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
+
+
+def answers(path: Path) -> bool:
+    """Whether a process listens on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+            return True
+        except OSError:
+            return False
+
+
+def sweep_stale_sockets(paths: list[Path]) -> list[Path]:
+    """Remove the socket files of ``paths`` that nothing answers on (a killed run's); one
+    that a live process answers on raises ``SupervisionError``. Returns those removed."""
+    removed = []
+    for path in paths:
+        if not path.exists() and not path.is_symlink():
+            continue
+        if answers(path):
+            raise SupervisionError(f"{path} is in use by a live process: another FlashMoE "
+                                   f"instance uses the runtime folder {path.parent}; stop it, "
+                                   f"or give this one another ipc.runtime_dir")
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 class Supervisor:
@@ -70,6 +114,15 @@ class Supervisor:
 
         return control_endpoint_for(self.endpoint(service))
 
+    def socket_paths(self) -> list[Path]:
+        """The socket files this run's services make (and nothing else of the folder)."""
+        endpoints = []
+        for t in self.tracked.values():
+            if t.spec.health_checked:
+                endpoints += [self.endpoint(t.spec.name), self.control_endpoint(t.spec.name)]
+            endpoints += t.spec.sockets
+        return [Path(e[len("ipc://"):]) for e in endpoints if e.startswith("ipc://")]
+
     # --- starting ---------------------------------------------------------------------------
 
     def _start(self, t: Tracked) -> None:
@@ -82,10 +135,13 @@ class Supervisor:
             t.proc = self.launcher.start_plain(spec.name, spec.command, env=spec.env)
 
     def start_all(self) -> None:
+        swept = sweep_stale_sockets(self.socket_paths())
+        if swept:
+            log.info("removed stale socket files %s", [p.name for p in swept])
         for t in self.tracked.values():
             try:
                 self._start(t)
-            except ServiceStartError:
+            except BaseException:  # a service that failed, or a stop (Interrupted) meanwhile
                 self.stop()
                 raise
 
@@ -115,6 +171,10 @@ class Supervisor:
             if not t.spec.restart:
                 raise SupervisionError(f"{t.spec.name} exited with status {code}:\n"
                                        f"{log_tail(self._log_path(t))}")
+            if code == REFUSED_STATUS:
+                raise SupervisionError(
+                    f"{t.spec.name} was refused, which a restart cannot change: "
+                    f"{last_error(self._log_path(t))} (its log: {self._log_path(t)})")
             t.quick_deaths += 1 if now - t.started < STABLE_S else 0
             if t.quick_deaths >= GIVE_UP_AFTER:
                 raise SupervisionError(
@@ -163,7 +223,12 @@ class Supervisor:
             if t.proc is not None:
                 stop_process(t.proc, timeout_s)
                 t.proc = None
-        self.launcher.children.clear()
-        for path in self.launcher.runtime_dir.glob("*.sock"):
+        self.launcher.stop_all(timeout_s)  # any still starting
+        for path in self.socket_paths():
             path.unlink(missing_ok=True)
         sweep_stale_arenas()
+
+    def exited(self, service: str) -> int | None:
+        """The exit status of a service's current process (None while it runs or restarts)."""
+        t = self.tracked[service]
+        return t.proc.poll() if t.proc is not None else None

@@ -19,10 +19,24 @@ def previous_layer(layer: int, num_layers: int) -> int:
     return layer - 1 if layer else num_layers - 1
 
 
+def token_schedule(row: list[list[int]]) -> Iterator[tuple[int, list[int], tuple[int]]]:
+    """(layer, experts, release_layers) of one token's AcquireReqs, ``row`` its routing per
+    layer (the live worker does a token at a time: a failed one is skipped or done again)."""
+    for layer, selected in enumerate(row):
+        yield layer, selected, (previous_layer(layer, len(row)),)
+
+
 def acquire_schedule(experts: np.ndarray) -> Iterator[tuple[int, int, list[int], tuple[int]]]:
     """(token, layer, experts, release_layers) of every AcquireReq for a routing array of
     shape (tokens, layers, top_k), rows in the router's order."""
-    num_layers = experts.shape[1]
     for token, row in enumerate(experts.tolist()):
-        for layer, selected in enumerate(row):
-            yield token, layer, selected, (previous_layer(layer, num_layers),)
+        for layer, selected, release in token_schedule(row):
+            yield token, layer, selected, release
+
+
+def model_shape(layers: int, experts: int, top_k: int, expert_bytes: int = 0) -> dict[str, int]:
+    """The model's shape a worker sends in its handshake (``CacheClient(shape=)``), for the
+    cache manager to refuse a worker of another model: MoE layers, experts a layer, top-k and
+    the bytes of an expert (0: unknown, not compared)."""
+    return {"layers": int(layers), "experts": int(experts), "top_k": int(top_k),
+            "expert_bytes": int(expert_bytes)}

@@ -16,6 +16,11 @@ request's ``emit`` (detokenized incrementally, an incomplete UTF-8 character and
 start of a stop string held back), and one AccessEvent per prompt position (marked prefill)
 and per decode step goes to the feature extractor. A request that is cancelled (its client
 went away) leaves at the next step; when no sequence is left the engine's pins are released.
+
+Nothing of a step that fails is emitted: a failed load (``ExpertLoadError``) fails the requests
+that routed to those experts with that error, the others go on; a lost cache manager (restarted,
+or this worker dropped after a freeze: ``CacheManagerUnavailable``) has the step done again on
+a new connection, each sequence's KV cache rewound to where the step began (``Engine.step``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.cache_client import CacheManagerUnavailable, ExpertLoadError
+
 from .model_runner import ModelRunner, StepAborted, StepGroup
 
 log = logging.getLogger("flashmoe.engine")
@@ -42,6 +49,14 @@ IDLE_WAIT_S = 0.05
 LOOKAHEAD_MIN_RECALL = 0.8
 LOOKAHEAD_EMA = 0.02  # weight of each layer's recall in the running figure
 LOOKAHEAD_MIN_SAMPLES = 32  # layers measured before the first hint
+STEP_TRIES = 3  # steps in a row done again after losing the cache manager, then they fail
+
+
+def needs(routing: dict, layer: int, experts: list[int]) -> bool:
+    """Whether a forward's routing (layer -> (top-k index, weights)) chose any of ``experts``
+    at ``layer``."""
+    chosen = routing.get(layer)
+    return chosen is not None and bool(set(chosen[0].flatten().tolist()) & set(experts))
 
 
 def token_text(tokenizer, token: int) -> str:
@@ -174,10 +189,12 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.stats = {"requests": 0, "requests_finished": 0, "requests_cancelled": 0,
                       "requests_failed": 0, "requests_rejected": 0, "tokens_generated": 0,
+                      "steps_redone": 0,
                       "prompt_tokens": 0, "steps": 0, "max_batch": 0,
                       "lookahead_hinted": 0, "lookahead_hits": 0, "lookahead_samples": 0,
                       "router_lookahead_hints": 0}
         self.lookahead_recent: float | None = None  # running recall of the look-ahead
+        self.lost_steps = 0  # steps in a row done again after losing the cache manager
 
     # --- any thread -----------------------------------------------------------------------
 
@@ -280,7 +297,55 @@ class Engine:
         return token_text(self.tokenizer, token)
 
     def step(self) -> None:
+        """One forward of every active sequence, then each one's next token. A step that
+        fails emits nothing of it: an ``ExpertLoadError`` fails the requests whose routing
+        needs the experts that failed (the others are rewound and go on at the next turn); a
+        lost cache manager (``CacheManagerUnavailable``: a restart, or pins lost after a
+        freeze) rewinds every sequence and the next turn does the step again, on a new
+        connection, up to ``STEP_TRIES`` times in a row; any other failure fails the step's
+        requests. The pins are released after a failure."""
         sequences = list(self.active)
+        marks = [self.runner.cache_mark(seq.cache) if seq.cache is not None else None
+                 for seq in sequences]
+        routings: list[dict] = [{} for _ in sequences]
+        results, failure = self._forwards(sequences, routings)
+        self.stats["steps"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(sequences))
+        if failure is None:
+            self.lost_steps = 0
+            now = time.monotonic()
+            for seq, (result, cache) in zip(sequences, results):
+                self._advance(seq, result, cache, now)
+            return
+        self.release()
+        self.holds_pins = False
+        if isinstance(failure, CacheManagerUnavailable) and self.lost_steps < STEP_TRIES:
+            self.lost_steps += 1
+            self.stats["steps_redone"] += 1
+            log.warning("a step of %d sequences lost the cache manager (%s); doing it again",
+                        len(sequences), failure)
+            failed = []
+        elif isinstance(failure, ExpertLoadError):
+            failed = [seq for seq, routing in zip(sequences, routings)
+                      if needs(routing, failure.layer, failure.experts)] or sequences
+            log.warning("%d of %d requests of a step failed: %s", len(failed), len(sequences),
+                        failure)
+        else:
+            log.warning("a step of %d sequences failed: %r", len(sequences), failure)
+            failed = sequences
+        for seq, mark in zip(sequences, marks):
+            if seq not in failed and seq.cache is not None and \
+                    not self.runner.rewind(seq.cache, mark):
+                failed.append(seq)  # its cache holds half a step: it cannot go on
+        for seq in failed:
+            seq.request.emit("error", failure)
+            self.stats["requests_failed"] += 1
+        self.active = [s for s in self.active if s not in failed]
+
+    def _forwards(self, sequences: list[_Sequence], routings: list[dict]
+                  ) -> tuple[list, Exception | None]:
+        """Every sequence's forward in one ``StepGroup`` (each filling its ``routings``
+        entry): the results, and the first failure (None when all went through)."""
         runner = self.runner
         first = sequences[0]
         token = "" if not first.prefilled else self._text(first.generated[-1])
@@ -292,19 +357,21 @@ class Engine:
             self.set_step(self.publisher.seq)
         self.holds_pins = True
 
-        def forward(seq: _Sequence):
+        def forward(seq: _Sequence, routing: dict):
             with group.cond:
                 try:
                     if seq.prefilled:
                         return runner.forward([seq.generated[-1]], seq.cache, group,
-                                              self._text(seq.generated[-1]))
+                                              self._text(seq.generated[-1]), routing=routing)
                     return runner.forward(seq.request.prompt_ids, None, group,
-                                          all_positions=self.publisher is not None)
+                                          all_positions=self.publisher is not None,
+                                          routing=routing)
                 except BaseException as exc:
                     group.fail(exc)  # the others stop at their next meeting
                     raise
 
-        futures = [self.pool.submit(forward, seq) for seq in sequences]
+        futures = [self.pool.submit(forward, seq, routing)
+                   for seq, routing in zip(sequences, routings)]
         results, failure = [], None
         for f in futures:
             try:
@@ -314,20 +381,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a request fails, the server goes on
                 results.append(None)
                 failure = failure or exc
-        self.stats["steps"] += 1
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(sequences))
-        if failure is not None:
-            log.warning("a step of %d sequences failed: %r", len(sequences), failure)
-            for seq in sequences:
-                seq.request.emit("error", failure)
-                self.stats["requests_failed"] += 1
-            self.active = [s for s in self.active if s not in sequences]
-            self.release()
-            self.holds_pins = False
-            return
-        now = time.monotonic()
-        for seq, (result, cache) in zip(sequences, results):
-            self._advance(seq, result, cache, now)
+        return results, failure
 
     def _choose(self, seq: _Sequence, logits: torch.Tensor) -> int:
         p = seq.request.params

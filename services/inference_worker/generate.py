@@ -24,6 +24,7 @@ from common.config import FlashMoEConfig
 from common.model_families import FAMILIES
 from common.store import ExpertStore, StoreError
 
+from .core import model_shape
 from .engine import SamplingParams, token_text  # noqa: F401 - text_warmup's
 from .events import EventPublisher
 from .model_runner import Fetch, ModelRunner
@@ -69,6 +70,12 @@ def arena_fetch(client: CacheClient) -> Fetch:
         return out
 
     return fetch
+
+
+def store_model_shape(store_path: str | Path) -> dict[str, int]:
+    """The handshake's shape of the model a store holds (``core.model_shape``)."""
+    manifest = ExpertStore.open(store_path).manifest
+    return model_shape(len(manifest.moe_layers), manifest.num_experts, manifest.top_k)
 
 
 def load_tokenizer(store_path: str | Path):
@@ -117,7 +124,8 @@ def generate(store_path: str | Path, prompt: str, max_new_tokens: int, cache_end
     try:
         if publisher is not None:
             time.sleep(settle_s)  # the subscribers' time to connect
-        with CacheClient(cache_endpoint, config, name=name) as client:
+        with CacheClient(cache_endpoint, config, name=name,
+                         shape=store_model_shape(store_path)) as client:
             if not same_store(client.store, store_path):
                 raise StoreError(f"the cache manager at {cache_endpoint} serves "
                                  f"{client.store.path}, not the store {store_path}")

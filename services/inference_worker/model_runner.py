@@ -378,11 +378,16 @@ class ModelRunner:
     # --- forward passes -------------------------------------------------------------------
 
     def forward(self, ids: list[int], cache, group: StepGroup, token: str = "",
-                all_positions: bool = False) -> tuple[StepResult, object]:
+                all_positions: bool = False, routing: dict | None = None
+                ) -> tuple[StepResult, object]:
         """Run ``ids`` after what ``cache`` (a KV cache, None for a new sequence) holds, in
         ``group``; returns the step's result and the cache. ``token``: the step's input
-        token as text. ``all_positions``: the result also has every position's routing."""
+        token as text. ``all_positions``: the result also has every position's routing.
+        ``routing``: a dict filled as the layers route (layer -> (top-k index, weights)),
+        which the caller keeps when the forward fails."""
         ctx = self._local.ctx = ForwardContext(group, token)
+        if routing is not None:
+            ctx.routing = routing
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=torch.tensor([ids]), use_cache=True,
@@ -398,6 +403,32 @@ class ModelRunner:
                               for i in range(len(ids))]
         step.lookahead = ctx.lookahead
         return step, getattr(out, self.cache_name)
+
+    @staticmethod
+    def cache_mark(cache) -> list[int] | None:
+        """What a KV cache holds, layer by layer, to ``rewind`` it to after a failed forward
+        (None: a cache of a kind that cannot be rewound)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            return None
+        return [layer.get_seq_length() for layer in layers]
+
+    @staticmethod
+    def rewind(cache, mark: list[int] | None) -> bool:
+        """Drop what a failed forward added to ``cache`` (each layer back to its length in
+        ``mark``: the forward stopped part-way, after some layers only); False when it
+        cannot be done (a sliding window already full, a linear-attention state), and the
+        sequence cannot go on."""
+        if mark is None:
+            return False
+        try:
+            for layer, length in zip(cache.layers, mark):
+                grown = layer.get_seq_length() - length
+                if grown > 0:
+                    layer.crop(-grown)
+        except (RuntimeError, ValueError, AttributeError, NotImplementedError):
+            return False
+        return True
 
     def solo_group(self, token: str = "") -> StepGroup:
         return StepGroup(1, lambda layer, experts: self.fetch_layer(layer, experts, token),

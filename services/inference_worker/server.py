@@ -6,7 +6,9 @@ queue, so the front end never waits on the model. The model is loaded once, on a
 thread while the API already answers (``/health`` is 503 until the engine can serve). Its
 experts come through the cache manager (one ``CacheClient``); one AccessEvent per prompt
 position and decode step goes to the feature extractor (``events``). A cache manager that
-goes away (a restart) is reconnected to at the next request.
+goes away (a restart), or drops this worker (frozen past the heartbeat timeout: ``PinsLost``),
+is reconnected to and the step in progress done again, nothing of it emitted; a block that
+fails to load fails the requests that need it (the engine's ``step``).
 
 The process runs on the service skeleton (common/service.py): SIGTERM/SIGINT end it, after
 which the engine stops, the client releases its pins and the listening socket closes. Once
@@ -31,7 +33,7 @@ from common.store import StoreError
 from .api import ServingState, make_app
 from .engine import Engine
 from .events import EventPublisher
-from .generate import arena_fetch, load_tokenizer, same_store
+from .generate import arena_fetch, load_tokenizer, same_store, store_model_shape
 from .metrics import RequestMetrics
 from .model_runner import ModelRunner
 
@@ -58,17 +60,20 @@ def model_name(config: FlashMoEConfig, store: str | Path) -> str:
 
 class Connection:
     """The worker's link to the cache manager. A manager that went away (restarted by its
-    supervisor) fails the request in progress; the next one connects again."""
+    supervisor, or one that dropped this worker) fails the fetch in progress and the client is
+    dropped; the next fetch (the engine does the step again) connects anew."""
 
-    def __init__(self, endpoint: str, config: FlashMoEConfig) -> None:
-        self.endpoint, self.config = endpoint, config
+    def __init__(self, endpoint: str, config: FlashMoEConfig,
+                 shape: dict[str, int] | None = None) -> None:
+        self.endpoint, self.config, self.shape = endpoint, config, shape
         self.client: CacheClient | None = None
         self.runner: ModelRunner | None = None
         self.connect()
 
     def connect(self) -> CacheClient:
         if self.client is None:
-            self.client = CacheClient(self.endpoint, self.config, name="serve")
+            self.client = CacheClient(self.endpoint, self.config, name="serve",
+                                      shape=self.shape)
             self._fetch = arena_fetch(self.client)
             if self.runner is not None:
                 self.runner._last_layer = None  # the new manager holds no pins of ours
@@ -187,7 +192,8 @@ class ServeWorker(Service):
             if self.events:
                 self.publisher = EventPublisher(self.config, self.events,
                                                 f"serve[{os.getpid()}]")
-            self.connection = Connection(self.cache_endpoint, self.config)
+            self.connection = Connection(self.cache_endpoint, self.config,
+                                         store_model_shape(self.store))
             engine, tokenizer = build_engine(self.config, self.store, self.connection,
                                              self.publisher)
             engine.start()
@@ -203,10 +209,12 @@ class ServeWorker(Service):
 
     def serve(self) -> None:
         self.http.start()
-        if self.info is not None:
-            self.info.write_text(json.dumps({"url": self.url, "pid": os.getpid(),
-                                             "model": self.serving.model_name}))
-            self.info.chmod(0o600)
+        if self.info is not None:  # the user's alone from the start, as the runtime folder
+            fd = os.open(self.info, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as info:
+                info.write(json.dumps({"url": self.url, "pid": os.getpid(),
+                                       "model": self.serving.model_name}))
         self.loader.start()
         super().serve()
 

@@ -69,6 +69,15 @@ class TraceExperts:
         self._last_layer = layer
         return params
 
+    def forget_pins(self) -> None:
+        """The worker's pins were all released (a skipped token): no layer to drop next."""
+        self._last_layer = None
+
+    def rebind(self, fetch: Fetch) -> None:
+        """Fetch through a new client (after a reconnection), which holds no pins yet."""
+        self.fetch = fetch
+        self.forget_pins()
+
     # --- the worker's step ------------------------------------------------------------------
 
     def new_token(self, token: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.cache_client import CacheClient
+from common.cache_client import CacheClient, ExpertLoadError
 from services.inference_worker.engine import Engine, Request, SamplingParams
 from services.inference_worker.generate import arena_fetch, load_tokenizer
 from services.inference_worker.model_runner import ModelRunner
@@ -113,3 +113,80 @@ def test_stop_strings_and_seeded_sampling(engine_parts):
     assert "".join(results[0]["pieces"]) == full[:full.index(stop)]
     assert results[0]["done"]["finish_reason"] == "stop"
     assert results[1]["done"]["token_ids"] == results[2]["done"]["token_ids"]
+
+
+def test_a_failed_load_fails_the_request_that_needs_it_and_the_others_go_on(engine_parts):
+    """The client's typed ExpertLoadError for an expert only one sequence routed to (a real
+    corrupt block would not do here: a tiny random model's prefills route to every expert, so
+    every request would need it)."""
+    client, runner, tokenizer, _ = engine_parts
+    alone = [run(make_engine(client, runner, tokenizer, 6, 1), [p], tokenizer)[0]
+             for p in PROMPTS]
+    real = runner.fetch
+    injected = []
+
+    def failing(layer, experts, release, token):
+        meet = runner.context().group.meets[layer]
+        if not injected and all(len(rows) == 1 for rows in meet.rows):  # a decode step
+            chosen = [set(rows[0]) for rows in meet.rows]
+            only = [e for e in experts if sum(e in c for c in chosen) == 1]
+            if only:
+                injected.append(next(i for i, c in enumerate(chosen) if only[0] in c))
+                raise ExpertLoadError("checksum", "checksum mismatch", layer, [only[0]])
+        return real(layer, experts, release, token)
+
+    runner.fetch = failing
+    engine = make_engine(client, runner, tokenizer, 6, 3)
+    together = run(engine, PROMPTS, tokenizer)
+    assert injected, "no expert routed to by one sequence alone: nothing injected"
+    failed = [i for i, r in enumerate(together) if "error" in r]
+    assert len(failed) == 1 and isinstance(together[failed[0]]["error"], ExpertLoadError)
+    for i, r in enumerate(together):
+        if i not in failed:  # the others' answers are their solo ones, nothing of the step lost
+            assert r["done"]["token_ids"] == alone[i]["done"]["token_ids"]
+    assert engine.stats["requests_failed"] == 1
+    assert client.stats()["pinned"] == 0
+
+
+def test_a_restarted_cache_manager_costs_no_request_and_changes_no_answer(tiny_store, tmp_path):
+    """The step in progress when the manager goes is done again on a new connection, its KV
+    caches rewound (the step's attention ran before its first MoE layer's fetch failed)."""
+    from services.inference_worker.server import Connection
+    from tests.support.manager import ManagerHandle
+
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    managers = [ManagerHandle(tiny_store, runtime, ["cache.capacity_experts=6"])]
+    try:
+        connection = Connection(managers[0].endpoint, None)
+        runner = ModelRunner(tiny_store)
+        connection.attach(runner)
+        tokenizer = load_tokenizer(tiny_store)
+
+        def engine():
+            return Engine(runner, tokenizer, 6, release=connection.release, max_batch=3)
+
+        reference = run(engine(), PROMPTS, tokenizer)
+        serving = engine()
+        results = [{"pieces": []} for _ in PROMPTS]
+        for i, p in enumerate(PROMPTS):
+            serving.submit(Request(tokenizer(p)["input_ids"],
+                                   SamplingParams(max_tokens=8, temperature=0.0,
+                                                  ignore_eos=True),
+                                   lambda k, x, out=results[i]: out["pieces"].append(x)
+                                   if k == "text" else out.__setitem__(k, x)))
+        for _ in range(3):  # the prefill and two decode steps
+            serving.turn()
+        managers[0].stop()  # restarted: a new manager on the same endpoint
+        managers.append(ManagerHandle(tiny_store, runtime, ["cache.capacity_experts=6"]))
+        while not all("done" in r or "error" in r for r in results):
+            serving.turn()
+        connection.close()
+    finally:
+        for manager in managers:
+            manager.stop()
+    assert [r.get("error") for r in results] == [None] * 3
+    assert [r["done"]["token_ids"] for r in results] == \
+        [r["done"]["token_ids"] for r in reference]
+    assert ["".join(r["pieces"]) for r in results] == ["".join(r["pieces"]) for r in reference]
+    assert serving.stats["steps_redone"] >= 1

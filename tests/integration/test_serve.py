@@ -346,3 +346,22 @@ def test_a_restarted_cache_manager_costs_one_request(stores, tmp_path):
                 break
             time.sleep(0.5)
         assert status == 200
+
+
+def test_one_instance_per_home_and_a_private_runtime_folder(server, stores):
+    import os
+    import stat
+
+    runtime = Path(re.search(r"runtime folder (\S+);", server.log()).group(1))
+    assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+    files = [p for p in runtime.iterdir() if p.is_file()]
+    assert {p.name for p in files} >= {"config.json", "serve.json", "worker.log"}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == \
+        {p.name: 0o600 for p in files}
+    home = Path(re.search(r"--home (\S+)", " ".join(server.proc.args)).group(1))
+    second = subprocess.run(cli_command("serve", str(stores("qwen3_moe")), "--home", str(home),
+                                        "--set", "serve.port=0", "--set", "panel.port=0"),
+                            env=child_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    [line] = second.stderr.strip().splitlines()
+    assert f"pid {server.proc.pid}" in line and os.path.exists(runtime)
