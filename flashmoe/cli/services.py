@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup,
-                                  check_warmup, config, csv, non_empty, positive_int, trace_of)
+                                  check_warmup, config, csv, non_empty, non_negative_int,
+                                  positive_int, trace_of)
 from flashmoe.reports import write_json
 
 
@@ -241,8 +242,9 @@ def register(sub) -> None:
                                             "manager, as a worker")
     p.add_argument("--cache", required=True, help="the cache manager's endpoint")
     add_trace(p)
-    p.add_argument("--start", type=int, default=0, help="first decode step (row) to replay")
-    p.add_argument("--tokens", type=int, help="decode steps to replay (default: all)")
+    p.add_argument("--start", type=non_negative_int, default=0,
+                   help="first decode step (row) to replay")
+    p.add_argument("--tokens", type=positive_int, help="decode steps to replay (default: all)")
     add_json(p, help="write the cache manager's stats at the end")
     _add_events(p)
     p.add_argument("--token-ms", type=float, default=0.0,

@@ -83,3 +83,22 @@ def test_generate_refuses_a_mistake_before_any_process_starts(capsys, tiny_store
     err = lines(capsys.readouterr().err)
     assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "home").exists()  # nothing was started, no state made
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["warmup", "--out", "{tmp}/w", "--text", "{tmp}/t.txt"],
+     "flashmoe warmup: error: --text needs --store"),
+    (["warmup", "--out", "{tmp}/w", "--passes", "-1"], "--passes: must be at least 0, got -1"),
+    (["warmup", "--out", "{tmp}/w", "--max-tokens", "0"], "--max-tokens: must be at least 1"),
+    (["trace-worker", "--cache", "ipc:///x", "--tokens", "0"], "--tokens: must be at least 1"),
+    (["trace", "record", "--model", "m", "--prompts", "p", "--out", "o", "--max-new-tokens", "0"],
+     "--max-new-tokens: must be at least 1"),
+])
+def test_the_learning_and_worker_commands_check_their_flags(capsys, tmp_path, argv, says):
+    try:
+        rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    except SystemExit as exc:
+        rc = exc.code
+    err = lines(capsys.readouterr().err)
+    assert rc == 2 and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "w").exists()
