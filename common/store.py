@@ -48,6 +48,8 @@ TENSOR_ALIGN = 256  # alignment of each projection inside an expert's bytes
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is not one (gpt-oss-20b's: ~2 MB)
 CRC_MAX = (1 << 32) - 1
 BIG = 1 << 62  # bound of a manifest's integers (sizes, offsets, counts)
+MAX_BLOCK_SIZE = 1 << 30  # a block's read length is a 32-bit field of the IO engines' ops
+MAX_COUNT = 1 << 20  # layers of a model, experts of a layer
 
 
 class StoreError(RuntimeError):
@@ -280,8 +282,18 @@ class Manifest:
         if self.block_size <= 0 or self.block_size % ALIGN or self.parallelism <= 0:
             raise StoreError(f"{where}: bad block_size {self.block_size} or parallelism "
                              f"{self.parallelism}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise StoreError(f"{where}: block_size {self.block_size} is over {MAX_BLOCK_SIZE}")
         if not self.experts:
             raise StoreError(f"{where}: lists no experts")
+        if not 0 < self.num_layers <= MAX_COUNT or not 0 < self.num_experts <= MAX_COUNT or \
+                not 0 <= self.top_k <= self.num_experts:
+            raise StoreError(f"{where}: num_layers {self.num_layers}, num_experts "
+                             f"{self.num_experts} or top_k {self.top_k} out of range")
+        if list(self.moe_layers) != sorted(set(self.moe_layers)) or \
+                self.moe_layers[-1:] >= (self.num_layers,):
+            raise StoreError(f"{where}: moe_layers {_short(list(self.moe_layers))} must be "
+                             f"increasing layer numbers below num_layers {self.num_layers}")
         n_blocks, seen = 0, set()
         for e in self.experts:
             if (e.layer, e.expert) in seen:

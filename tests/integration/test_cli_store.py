@@ -5,6 +5,7 @@ running process has open is never rewritten under it, and a bad block is named p
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,21 @@ def test_verify_names_the_bad_block(capsys, store_copy):
                    f"({stripe_name(stripe)} at byte offset {offset}) does not match its "
                    f"checksum"]
 
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"block_size": 1 << 40}, "block_size 1099511627776 is over"),
+    ({"num_experts": 1 << 40}, "num_experts 1099511627776"),
+    ({"num_layers": 0}, "num_layers 0"),
+    ({"top_k": 99}, "top_k 99"),
+    ({"moe_layers": [1, 0]}, "must be increasing layer numbers"),
+])
+def test_a_manifest_of_impossible_counts_is_a_store_error(store_copy, edit, says):
+    """Values each well-typed but impossible together (a block size no read length holds, more
+    experts than any array should be made for) are refused before anything is sized by them."""
+    path = store_copy / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc.update(edit)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(StoreError, match=says):
+        ExpertStore.open(store_copy)
