@@ -262,19 +262,22 @@ class Manifest:
                 tensors.append(TensorEntry(t.text("name"), t.text("key"), t.text("dtype"),
                                            tuple(t.integers("shape", -BIG)),
                                            t.integer("offset", -BIG), t.integer("nbytes", -BIG)))
-            experts.append(ExpertEntry(e.integer("layer"), e.integer("expert"), e.integer("nbytes"),
-                                       e.integer("first_block"), e.integer("n_blocks"), tuple(tensors)))
+            experts.append(ExpertEntry(e.integer("layer"), e.integer("expert"),
+                                       e.integer("nbytes"), e.integer("first_block"),
+                                       e.integer("n_blocks"), tuple(tensors)))
         stripes = [_Fields(raw, where, f"stripes[{k}]").integer("size")
                    for k, raw in enumerate(fields.array("stripes"))]
         files = []
         for k, raw in enumerate(fields.array("files")):
             f = _Fields(raw, where, f"files[{k}]")
-            files.append(FileEntry(f.text("file"), f.integer("size"), f.integer("crc32", hi=CRC_MAX)))
+            files.append(FileEntry(f.text("file"), f.integer("size"),
+                                   f.integer("crc32", hi=CRC_MAX)))
         manifest = cls(version, fields.text("model_family"), fields.text("model_type"),
                        fields.integer("num_layers"), tuple(fields.integers("moe_layers")),
-                       fields.integer("num_experts"), fields.integer("top_k"), fields.integer("block_size"),
-                       fields.integer("parallelism"), tuple(experts),
-                       tuple(fields.integers("block_crc", hi=CRC_MAX)), tuple(stripes), tuple(files))
+                       fields.integer("num_experts"), fields.integer("top_k"),
+                       fields.integer("block_size"), fields.integer("parallelism"),
+                       tuple(experts), tuple(fields.integers("block_crc", hi=CRC_MAX)),
+                       tuple(stripes), tuple(files))
         manifest.validate(where)
         return manifest
 
