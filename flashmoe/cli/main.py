@@ -13,9 +13,6 @@ import argparse
 import sys
 import traceback
 
-from common.bus import ConfigMismatch, ServiceUnavailable
-from common.cache_client import CacheManagerUnavailable, ExpertLoadError
-from common.cbuild import BuildError
 from common.config import ConfigError
 from common.model_families import UnsupportedModelError
 from common.safetensors_io import SafetensorsError
@@ -24,16 +21,10 @@ from common.traces import TraceError
 from flashmoe import __version__
 from flashmoe.cli import bench, deploy, learn, runtime, services, store
 from flashmoe.errors import CheckpointError, UsageError
-from flashmoe.runtime.launch import ServiceStartError
-from flashmoe.runtime.supervisor import SupervisionError
 from services.cache_manager.policies import PolicyError
 
 USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError,
                TraceError, PolicyError, CheckpointError, UsageError)
-# Failures that are not the user's mistake but need no traceback either: what they say is all
-# there is to know.
-FAILURES = (ConfigMismatch, ServiceUnavailable, CacheManagerUnavailable, ExpertLoadError,
-            BuildError, ServiceStartError, SupervisionError)
 DEBUG_FLAG = "--debug"
 EXIT_USER, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -62,6 +53,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def failures() -> tuple[type[Exception], ...]:
+    """Failures that are not the user's mistake but need no traceback either: what they say is
+    all there is to know (imported when one is caught, so that a command starts faster)."""
+    from common.bus import ConfigMismatch, ServiceUnavailable
+    from common.cache_client import CacheManagerUnavailable, ExpertLoadError
+    from common.cbuild import BuildError
+    from flashmoe.runtime.launch import ServiceStartError
+    from flashmoe.runtime.supervisor import SupervisionError
+
+    return (ConfigMismatch, ServiceUnavailable, CacheManagerUnavailable, ExpertLoadError,
+            BuildError, ServiceStartError, SupervisionError)
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line."""
     return " ".join(str(exc).split()) or type(exc).__name__
@@ -82,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         _report(debug, f"{name}: error: {one_line(exc)}")
         return EXIT_USER
-    except FAILURES as exc:
-        _report(debug, f"{name}: error: {one_line(exc)}")
-        return EXIT_FAILURE
     except Exception as exc:
-        _report(debug, f"{name}: internal error: {type(exc).__name__}: {one_line(exc)}"
-                       + ("" if debug else f" ({DEBUG_FLAG} shows the traceback)"))
+        if isinstance(exc, failures()):
+            _report(debug, f"{name}: error: {one_line(exc)}")
+        else:
+            _report(debug, f"{name}: internal error: {type(exc).__name__}: {one_line(exc)}"
+                           + ("" if debug else f" ({DEBUG_FLAG} shows the traceback)"))
         return EXIT_FAILURE
 
 

@@ -102,3 +102,13 @@ def test_the_learning_and_worker_commands_check_their_flags(capsys, tmp_path, ar
     err = lines(capsys.readouterr().err)
     assert rc == 2 and len(err) == 1 and says in err[0], err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_failure_that_is_no_mistake_is_one_line_and_exit_1(capsys, tmp_path):
+    """A cache manager that does not answer: no traceback, and not called an internal error."""
+    rc = main(["trace-worker", "--cache", f"ipc://{tmp_path}/none.sock", "--trace",
+               "gptoss20b-sample:eval", "--tokens", "1", "--set", "ipc.handshake_timeout_s=0.1"])
+    err = [line for line in lines(capsys.readouterr().err) if "flashmoe trace-worker:" in line]
+    assert rc == 1
+    assert len(err) == 1 and err[0].startswith("flashmoe trace-worker: error: no reply from the "
+                                               "cache manager")
