@@ -230,3 +230,17 @@ def test_a_manifest_of_impossible_counts_is_a_store_error(store_copy, edit, says
     path.write_text(json.dumps(doc))
     with pytest.raises(StoreError, match=says):
         ExpertStore.open(store_copy)
+
+
+def test_the_lock_goes_with_the_store_object(store_copy):
+    store = ExpertStore.open(store_copy)
+    with pytest.raises(StoreError, match="is open by a running FlashMoE process"):
+        with write_lock(store_copy):
+            pass
+    del store  # garbage: its lock is released
+    with write_lock(store_copy):
+        pass
+    with ExpertStore.open(store_copy):
+        pass
+    with write_lock(store_copy):  # closed by the with block
+        pass
