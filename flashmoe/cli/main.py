@@ -24,7 +24,8 @@ from flashmoe.errors import CheckpointError, UsageError
 from services.cache_manager.policies import PolicyError
 
 USER_ERRORS = (StoreError, ConfigError, UnsupportedModelError, SafetensorsError, FileNotFoundError,
-               TraceError, PolicyError, CheckpointError, UsageError)
+               NotADirectoryError, IsADirectoryError, PermissionError, TraceError, PolicyError,
+               CheckpointError, UsageError)
 DEBUG_FLAG = "--debug"
 EXIT_USER, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -55,7 +56,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def failures() -> tuple[type[Exception], ...]:
     """Failures that are not the user's mistake but need no traceback either: what they say is
-    all there is to know (imported when one is caught, so that a command starts faster)."""
+    all there is to know (an OSError names its file and errno). Imported when one is caught, so
+    that a command starts faster."""
     from common.bus import ConfigMismatch, ServiceUnavailable
     from common.cache_client import CacheManagerUnavailable, ExpertLoadError
     from common.cbuild import BuildError
@@ -63,7 +65,7 @@ def failures() -> tuple[type[Exception], ...]:
     from flashmoe.runtime.supervisor import SupervisionError
 
     return (ConfigMismatch, ServiceUnavailable, CacheManagerUnavailable, ExpertLoadError,
-            BuildError, ServiceStartError, SupervisionError)
+            BuildError, ServiceStartError, SupervisionError, OSError)
 
 
 def one_line(exc: BaseException) -> str:

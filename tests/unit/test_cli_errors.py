@@ -112,3 +112,11 @@ def test_a_failure_that_is_no_mistake_is_one_line_and_exit_1(capsys, tmp_path):
     assert rc == 1
     assert len(err) == 1 and err[0].startswith("flashmoe trace-worker: error: no reply from the "
                                                "cache manager")
+
+
+def test_a_path_that_cannot_be_written_is_a_users_mistake(capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    rc = main(["make-tiny-model", "qwen3_moe", str(tmp_path / "a-file" / "model")])
+    err = lines(capsys.readouterr().err)
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("flashmoe make-tiny-model: error: ") and "Not a directory" in err[0]
