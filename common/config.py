@@ -20,7 +20,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 ENV_PREFIX = "FLASHMOE_"
 KIB = 1024
@@ -402,9 +402,15 @@ def _coerce(f: dataclasses.Field, spec: dict, value: Any, where: str) -> Any:
         if key_type == "int":
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(f"not an integer: {value!r}")
-            return int(value)
+            try:
+                return int(value)
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"not an integer: {value!r}") from None
         if key_type == "float":
-            return float(value)
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"not a number: {value!r}") from None
         if key_type == "dict":
             if isinstance(value, str):
                 value = json.loads(value) if value.strip() else {}
@@ -416,8 +422,28 @@ def _coerce(f: dataclasses.Field, spec: dict, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _check(spec: dict, value: Any, where: str) -> None:
-    lo, hi, choices = spec.get("lo"), spec.get("hi"), spec.get("choices")
+# Choices a registry outside common/ knows (the policy names): the app hands the registry's
+# names over at start (``register_choices``), so that such a field is checked where config is
+# read like one declared with ``choices``, without common/ importing the registry.
+_REGISTERED_CHOICES: dict[str, Callable[[], Iterable]] = {}
+
+
+def register_choices(key: str, choices: Callable[[], Iterable]) -> None:
+    """The field ``key`` (``section.field``) takes one of ``choices()`` from now on."""
+    section, _, name = key.partition(".")
+    field_spec(section, name)
+    _REGISTERED_CHOICES[key] = choices
+
+
+def field_choices(key: str, spec: Mapping[str, Any]) -> tuple | None:
+    """The values the field ``key`` allows (None: any in its type and range)."""
+    if key in _REGISTERED_CHOICES:
+        return tuple(sorted(_REGISTERED_CHOICES[key]()))
+    return spec.get("choices")
+
+
+def _check(spec: dict, value: Any, where: str, choices: tuple | None) -> None:
+    lo, hi = spec.get("lo"), spec.get("hi")
     if choices is not None and value not in choices:
         raise ConfigError(f"{where} = {value!r} is not allowed; choices: "
                           f"{', '.join(map(str, choices))}")
@@ -489,8 +515,14 @@ def check_value(key: str, value: Any, origin: str) -> Any:
         raise ConfigError(f"{key!r}: expected section.field")
     f, spec = field_spec(section, name)
     where = f"{key} (from {origin})"
-    coerced = _coerce(f, spec, value, where)
-    _check(spec, coerced, where)
+    choices = field_choices(key, spec)
+    try:
+        coerced = _coerce(f, spec, value, where)
+    except ConfigError as exc:
+        if choices is None:
+            raise
+        raise ConfigError(f"{exc}; choices: {', '.join(map(str, choices))}") from None
+    _check(spec, coerced, where, choices)
     return coerced
 
 
@@ -509,7 +541,8 @@ def describe_fields() -> list[dict[str, Any]]:
             rows.append({"key": f"{section}.{f.name}", "type": field_type(f),
                          "default": getattr(getattr(default, section), f.name),
                          "doc": spec["doc"], "lo": spec.get("lo"), "hi": spec.get("hi"),
-                         "choices": spec.get("choices"), "size": spec["size"],
+                         "choices": field_choices(f"{section}.{f.name}", spec),
+                         "size": spec["size"],
                          "multiple_of": spec.get("multiple_of"), "live": spec["live"],
                          "fixed_because": spec["fixed_because"], "secret": spec["secret"]})
     return rows

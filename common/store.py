@@ -15,17 +15,24 @@ checksums.
 
 The manifest is written last and renamed into place; a folder without a valid manifest is
 not a store.
+
+Locking: an opened store holds a shared ``flock`` on its manifest (opened read-only, so a
+read-only mount works) for as long as the ``ExpertStore`` lives; a writer (``write_lock``)
+takes an exclusive non-blocking lock on the folder and on the manifest there is, and refuses
+when a running process has the store open. A store being written does not open.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -38,6 +45,11 @@ CONFIG_NAME = "config.json"
 SIDE_FILES = (NON_EXPERT_NAME, CONFIG_NAME)  # the store's files besides stripes and manifest
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
 TENSOR_ALIGN = 256  # alignment of each projection inside an expert's bytes
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is not one (gpt-oss-20b's: ~2 MB)
+CRC_MAX = (1 << 32) - 1
+BIG = 1 << 62  # bound of a manifest's integers (sizes, offsets, counts)
+MAX_BLOCK_SIZE = 1 << 30  # a block's read length is a 32-bit field of the IO engines' ops
+MAX_COUNT = 1 << 20  # layers of a model, experts of a layer
 
 
 class StoreError(RuntimeError):
@@ -47,10 +59,12 @@ class StoreError(RuntimeError):
 class ChecksumError(StoreError):
     """A block's bytes do not match its recorded checksum."""
 
-    def __init__(self, layer: int, expert: int, block: int, stripe: int, offset: int) -> None:
-        super().__init__(f"checksum mismatch in block {block} (stripe {stripe}, offset {offset}) "
-                         f"of layer {layer} expert {expert}")
+    def __init__(self, layer: int, expert: int, block: int, stripe: int, offset: int,
+                 problem: str = "does not match its checksum") -> None:
+        super().__init__(f"layer {layer} expert {expert}: block {block} ({stripe_name(stripe)} at "
+                         f"byte offset {offset}) {problem}")
         self.layer, self.expert, self.block = layer, expert, block
+        self.file, self.offset = stripe_name(stripe), offset
 
 
 class FileCheckError(StoreError):
@@ -59,6 +73,55 @@ class FileCheckError(StoreError):
     def __init__(self, file: str, problem: str) -> None:
         super().__init__(f"file {file} {problem}")
         self.file = file
+
+
+class _Fields:
+    """Typed reads of one JSON object of a manifest: a missing key, or a value of another type
+    or out of range, is a StoreError naming where it is."""
+
+    def __init__(self, data: Any, where: str, name: str) -> None:
+        if not isinstance(data, dict):
+            raise StoreError(f"{where}: manifest is malformed ({name} must be a JSON object, "
+                             f"found {type(data).__name__})")
+        self.data, self.where, self.name = data, where, name
+
+    def value(self, key: str) -> Any:
+        if key not in self.data:
+            raise StoreError(f"{self.where}: manifest is malformed ({self.name} has no {key!r})")
+        return self.data[key]
+
+    def _bad(self, key: str, what: str) -> StoreError:
+        return StoreError(f"{self.where}: manifest is malformed ({self.name}.{key} must be "
+                          f"{what}, found {_short(self.data.get(key))})")
+
+    def integer(self, key: str, lo: int = 0, hi: int = BIG) -> int:
+        value = self.value(key)
+        if type(value) is not int or not lo <= value <= hi:
+            raise self._bad(key, f"an integer in [{lo}, {hi}]")
+        return value
+
+    def text(self, key: str) -> str:
+        value = self.value(key)
+        if not isinstance(value, str):
+            raise self._bad(key, "a string")
+        return value
+
+    def array(self, key: str) -> list:
+        value = self.value(key)
+        if not isinstance(value, list):
+            raise self._bad(key, "a list")
+        return value
+
+    def integers(self, key: str, lo: int = 0, hi: int = BIG) -> list:
+        values = self.array(key)
+        if not all(type(v) is int and lo <= v <= hi for v in values):
+            raise self._bad(key, f"a list of integers in [{lo}, {hi}]")
+        return values
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -180,39 +243,69 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: dict, where: str) -> "Manifest":
-        try:
-            version = data["format_version"]
-            if version != FORMAT_VERSION:
-                raise StoreError(f"{where}: store format version {version} is not supported "
-                                 f"(this build reads version {FORMAT_VERSION}); re-run "
-                                 f"`flashmoe convert`")
-            experts = tuple(
-                ExpertEntry(e["layer"], e["expert"], e["nbytes"], e["first_block"], e["n_blocks"],
-                            tuple(TensorEntry(t["name"], t["key"], t["dtype"], tuple(t["shape"]),
-                                              t["offset"], t["nbytes"]) for t in e["tensors"]))
-                for e in data["experts"])
-            manifest = cls(version, data["model_family"], data["model_type"],
-                           data["num_layers"], tuple(data["moe_layers"]), data["num_experts"],
-                           data["top_k"], data["block_size"], data["parallelism"], experts,
-                           tuple(data["block_crc"]),
-                           tuple(s["size"] for s in data["stripes"]),
-                           tuple(FileEntry(f["file"], f["size"], f["crc32"])
-                                 for f in data["files"]))
-            manifest.validate(where)
-        except (KeyError, TypeError) as exc:
-            raise StoreError(f"{where}: manifest is malformed (missing or bad {exc})") from None
+    def from_json(cls, data: Any, where: str) -> "Manifest":
+        """The manifest of a decoded ``manifest.json``; anything malformed (a missing key, a
+        value of the wrong type, a negative or non-finite number) is a StoreError."""
+        fields = _Fields(data, where, "manifest")
+        version = fields.value("format_version")
+        if version != FORMAT_VERSION:
+            raise StoreError(f"{where}: store format version {_short(version)} is not supported "
+                             f"(this build reads version {FORMAT_VERSION}); re-run "
+                             f"`flashmoe convert`")
+        experts = []
+        for i, raw in enumerate(fields.array("experts")):
+            e = _Fields(raw, where, f"experts[{i}]")
+            tensors = []
+            for j, raw_tensor in enumerate(e.array("tensors")):
+                t = _Fields(raw_tensor, where, f"experts[{i}].tensors[{j}]")
+                # signed: ExpertEntry.validate says what is wrong with a negative one
+                tensors.append(TensorEntry(t.text("name"), t.text("key"), t.text("dtype"),
+                                           tuple(t.integers("shape", -BIG)),
+                                           t.integer("offset", -BIG), t.integer("nbytes", -BIG)))
+            experts.append(ExpertEntry(e.integer("layer"), e.integer("expert"),
+                                       e.integer("nbytes"), e.integer("first_block"),
+                                       e.integer("n_blocks"), tuple(tensors)))
+        stripes = [_Fields(raw, where, f"stripes[{k}]").integer("size")
+                   for k, raw in enumerate(fields.array("stripes"))]
+        files = []
+        for k, raw in enumerate(fields.array("files")):
+            f = _Fields(raw, where, f"files[{k}]")
+            files.append(FileEntry(f.text("file"), f.integer("size"),
+                                   f.integer("crc32", hi=CRC_MAX)))
+        manifest = cls(version, fields.text("model_family"), fields.text("model_type"),
+                       fields.integer("num_layers"), tuple(fields.integers("moe_layers")),
+                       fields.integer("num_experts"), fields.integer("top_k"),
+                       fields.integer("block_size"), fields.integer("parallelism"),
+                       tuple(experts), tuple(fields.integers("block_crc", hi=CRC_MAX)),
+                       tuple(stripes), tuple(files))
+        manifest.validate(where)
         return manifest
 
     def validate(self, where: str) -> None:
         if self.block_size <= 0 or self.block_size % ALIGN or self.parallelism <= 0:
             raise StoreError(f"{where}: bad block_size {self.block_size} or parallelism "
                              f"{self.parallelism}")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise StoreError(f"{where}: block_size {self.block_size} is over {MAX_BLOCK_SIZE}")
+        if not self.experts:
+            raise StoreError(f"{where}: lists no experts")
+        if not 0 < self.num_layers <= MAX_COUNT or not 0 < self.num_experts <= MAX_COUNT or \
+                not 0 <= self.top_k <= self.num_experts:
+            raise StoreError(f"{where}: num_layers {self.num_layers}, num_experts "
+                             f"{self.num_experts} or top_k {self.top_k} out of range")
+        if list(self.moe_layers) != sorted(set(self.moe_layers)) or \
+                self.moe_layers[-1:] >= (self.num_layers,):
+            raise StoreError(f"{where}: moe_layers {_short(list(self.moe_layers))} must be "
+                             f"increasing layer numbers below num_layers {self.num_layers}")
         n_blocks, seen = 0, set()
         for e in self.experts:
             if (e.layer, e.expert) in seen:
                 raise StoreError(f"{where}: layer {e.layer} expert {e.expert} is listed twice")
             seen.add((e.layer, e.expert))
+            if e.layer not in self.moe_layers or e.expert >= self.num_experts:
+                raise StoreError(f"{where}: layer {e.layer} expert {e.expert} lies outside the "
+                                 f"MoE layers {list(self.moe_layers)} x {self.num_experts} "
+                                 f"experts")
             if e.first_block != n_blocks or e.n_blocks != -(-e.nbytes // self.block_size):
                 raise StoreError(f"{where}: block range of layer {e.layer} expert {e.expert} "
                                  f"is inconsistent")
@@ -258,10 +351,82 @@ def expected_stripe_sizes(experts: tuple[ExpertEntry, ...] | list[ExpertEntry], 
     return sizes
 
 
-class ExpertStore:
-    """An opened store: manifest plus the per-expert block read plans."""
+def store_in_use(path: Path) -> StoreError:
+    return StoreError(f"the store at {path} is open by a running FlashMoE process; stop it "
+                      f"first")
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+
+def _lock(fd: int, kind: int) -> bool:
+    """A non-blocking flock of ``kind``; False where another open file holds a conflicting one."""
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextmanager
+def write_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Held while a store is written at ``path`` (the folder is made if missing): exclusive
+    locks on the folder (one writer at a time) and on the manifest there is (no process has
+    the store open). Refuses with a StoreError, without waiting, when either is taken."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fds = [os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        if not _lock(fds[0], fcntl.LOCK_EX):
+            raise StoreError(f"the store at {path} is being written by another process "
+                             f"(`flashmoe convert` or `synth-store`); wait for it or stop it")
+        try:
+            fds.append(os.open(path / MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:
+            pass  # no manifest: nothing can have the store open
+        if len(fds) > 1 and not _lock(fds[1], fcntl.LOCK_EX):
+            raise store_in_use(path)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _read_manifest(path: Path) -> tuple[int, Any]:
+    """(a read-only fd of the manifest holding a shared lock, its decoded JSON)."""
+    manifest_path = path / MANIFEST_NAME
+    try:
+        fd = os.open(manifest_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StoreError(f"{manifest_path}: cannot be read ({exc.strerror})") from None
+    try:
+        if not _lock(fd, fcntl.LOCK_SH):
+            raise StoreError(f"the store at {path} is being written (`flashmoe convert` or "
+                             f"`synth-store`); open it when that has finished")
+        if os.fstat(fd).st_ino != os.stat(manifest_path).st_ino:
+            raise StoreError(f"the store at {path} was rewritten while it was being opened; "
+                             f"open it again")
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise StoreError(f"{manifest_path}: {size} bytes is too large for a manifest")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            text = f.read()
+        try:
+            return fd, json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise StoreError(f"{manifest_path}: not valid JSON: {_short(exc)}") from None
+    except OSError as exc:
+        os.close(fd)
+        raise StoreError(f"{manifest_path}: cannot be read ({exc.strerror})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class ExpertStore:
+    """An opened store: manifest plus the per-expert block read plans. It holds a shared lock
+    on the manifest until ``close()`` (or until it is garbage collected): no writer rewrites
+    the store meanwhile."""
+
+    def __init__(self, path: Path, manifest: Manifest, lock_fd: int | None = None) -> None:
+        self._lock_fd = lock_fd
         self.path = path
         self.manifest = manifest
         self.stripe_paths = [path / stripe_name(k) for k in range(manifest.parallelism)]
@@ -272,27 +437,45 @@ class ExpertStore:
     @classmethod
     def open(cls, path: str | os.PathLike) -> "ExpertStore":
         path = Path(path)
-        manifest_path = path / MANIFEST_NAME
         if not path.is_dir():
             raise StoreError(f"{path}: no such store folder")
-        if not manifest_path.is_file():
+        if not (path / MANIFEST_NAME).is_file():
             raise StoreError(f"{path}: no {MANIFEST_NAME}; not a store, or its conversion did "
                              f"not finish (run `flashmoe convert` again)")
+        fd, data = _read_manifest(path)
         try:
-            data = json.loads(manifest_path.read_text())
-        except ValueError as exc:
-            raise StoreError(f"{manifest_path}: not valid JSON: {exc}") from None
-        manifest = Manifest.from_json(data, str(manifest_path))
-        store = cls(path, manifest)
+            store = cls(path, Manifest.from_json(data, str(path / MANIFEST_NAME)), fd)
+        except BaseException:
+            os.close(fd)
+            raise
         store.check_stripe_sizes()
         store.check_file_sizes()
         return store
+
+    def close(self) -> None:
+        """Release the store's lock (writers may rewrite it from now on)."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def check_stripe_sizes(self) -> None:
         for k, (stripe, expected) in enumerate(zip(self.stripe_paths, self.manifest.stripe_sizes)):
             if not stripe.is_file():
                 raise StoreError(f"{self.path}: stripe file {stripe.name} is missing")
-            actual = stripe.stat().st_size
+            try:
+                actual = stripe.stat().st_size
+            except OSError as exc:
+                raise StoreError(f"{self.path}: stripe file {stripe.name}: {exc.strerror}") \
+                    from None
             if actual < expected:
                 raise StoreError(f"{self.path}: stripe file {stripe.name} is truncated "
                                  f"({actual} bytes, expected {expected})")
@@ -308,6 +491,8 @@ class ExpertStore:
             actual = (self.path / f.name).stat().st_size
         except FileNotFoundError:
             return FileCheckError(f.name, "is missing")
+        except OSError as exc:
+            return FileCheckError(f.name, f"cannot be read ({exc.strerror})")
         if actual != f.size:
             return FileCheckError(f.name, f"is {actual} bytes, the manifest says {f.size}")
         return None
@@ -317,7 +502,11 @@ class ExpertStore:
         for f in self.manifest.files:
             error = self._file_size_error(f)
             if error is None:
-                size, crc = file_crc32(self.path / f.name)
+                try:
+                    size, crc = file_crc32(self.path / f.name)
+                except OSError as exc:
+                    yield FileCheckError(f.name, f"cannot be read ({exc.strerror})")
+                    continue
                 if (size, crc) != (f.size, f.crc32):
                     error = FileCheckError(f.name, f"does not match its checksum (CRC-32 "
                                                    f"{crc:#010x}, the manifest says "
@@ -378,16 +567,30 @@ class ExpertStore:
         called with each expert's bytes."""
         yield from self.verify_files()
         bs = self.manifest.block_size
-        files = [open(p, "rb") for p in self.stripe_paths]
+        files = []
         try:
+            for p in self.stripe_paths:
+                try:
+                    files.append(open(p, "rb"))
+                except OSError as exc:
+                    raise StoreError(f"{self.path}: stripe file {p.name} cannot be read "
+                                     f"({exc.strerror})") from None
             for e in self.manifest.experts:
                 for i in range(e.n_blocks):
                     block = e.first_block + i
                     stripe, offset = block_location(block, bs, self.manifest.parallelism)
                     length = block_read_len(e, i, bs)
-                    files[stripe].seek(offset)
-                    data = files[stripe].read(length)
-                    if len(data) != length or zlib.crc32(data) != self._crc[block]:
+                    try:
+                        files[stripe].seek(offset)
+                        data = files[stripe].read(length)
+                    except OSError as exc:
+                        yield ChecksumError(e.layer, e.expert, block, stripe, offset,
+                                            f"cannot be read ({exc.strerror})")
+                        continue
+                    if len(data) != length:
+                        yield ChecksumError(e.layer, e.expert, block, stripe, offset,
+                                            f"is cut short ({len(data)} of {length} bytes)")
+                    elif zlib.crc32(data) != self._crc[block]:
                         yield ChecksumError(e.layer, e.expert, block, stripe, offset)
                 if progress:
                     progress(e.nbytes)

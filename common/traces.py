@@ -30,13 +30,18 @@ FlashMoE trace file format (``*.npz``, written by ``flashmoe trace record``; ver
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 TRACE_FORMAT = "flashmoe-trace"
 TRACE_VERSION = 1
+MAX_EXPERTS = np.iinfo(np.int16).max  # expert ids are stored as int16
+# What reading a damaged .npz or JSON file raises, besides the errors said in words below.
+UNREADABLE = (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile, RecursionError)
 DEFAULT_TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "gptoss20b-sample"
 SAMPLE_NAME = "gptoss20b-sample"
@@ -68,13 +73,30 @@ class Trace:
     sequences: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.experts.ndim != 3:
-            raise TraceError(f"{self.name}: experts must be (tokens, layers, top_k)")
+        if not isinstance(self.experts, np.ndarray) or self.experts.ndim != 3 or \
+                not np.issubdtype(self.experts.dtype, np.integer):
+            raise TraceError(f"{self.name}: experts must be integers (tokens, layers, top_k)")
+        if not isinstance(self.offsets, np.ndarray) or self.offsets.ndim != 1 or \
+                not len(self.offsets) or not np.issubdtype(self.offsets.dtype, np.integer):
+            raise TraceError(f"{self.name}: offsets must be a list of integers")
         if (self.offsets[0] != 0 or self.offsets[-1] != len(self.experts)
                 or np.any(np.diff(self.offsets) < 0)):
             raise TraceError(f"{self.name}: offsets do not delimit the tokens")
+        if type(self.num_experts) is not int or not 1 <= self.num_experts <= MAX_EXPERTS:
+            raise TraceError(f"{self.name}: num_experts {self.num_experts!r} is not in "
+                             f"[1, {MAX_EXPERTS}]")
         if self.experts.size and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
             raise TraceError(f"{self.name}: expert ids outside [0, {self.num_experts})")
+        if self.probs is not None and (not isinstance(self.probs, np.ndarray)
+                                       or self.probs.shape != self.experts.shape
+                                       or not np.issubdtype(self.probs.dtype, np.floating)):
+            raise TraceError(f"{self.name}: probs must be floats shaped as the experts "
+                             f"{self.experts.shape}")
+        if not isinstance(self.sequences, list) or not all(
+                isinstance(row, dict) and isinstance(row.get("generated_only", []), list)
+                for row in self.sequences):
+            raise TraceError(f"{self.name}: sequences must be a list of objects (with a list "
+                             f"generated_only where there is one)")
 
     @property
     def n_tokens(self) -> int:
@@ -141,22 +163,53 @@ def load_gptoss20b(split: str = "eval", traces_dir: str | Path | None = None) ->
                          f"meta.jsonl): give their folder with --traces-dir or the traces.dir "
                          f"setting; the committed sample is the trace "
                          f"{SAMPLE_NAME}:train|eval")
-    with np.load(folder / "routing.npz") as z:
-        experts, probs, offsets = z["experts"], z["probs"], z["offsets"]
-    meta = [json.loads(line) for line in (folder / "meta.jsonl").read_text().splitlines() if line]
+    try:
+        with np.load(folder / "routing.npz", allow_pickle=False) as z:
+            experts, probs, offsets = z["experts"], z["probs"], z["offsets"]
+        meta = [json.loads(line) for line in (folder / "meta.jsonl").read_text().splitlines()
+                if line]
+    except UNREADABLE as exc:
+        raise TraceError(f"{folder}: the gpt-oss-20b trace cannot be read: {exc}") from None
+    Trace(folder.name, _ids(experts, folder), _offsets(offsets, folder), 32, "gpt-oss-20b",
+          probs)  # checks the arrays before they are cut
     if len(meta) != len(offsets) - 1:
         raise TraceError(f"{folder}: {len(meta)} meta rows for {len(offsets) - 1} sequences")
+    keys = ("dataset", "category", "n_decode_tokens", "first_token_pos", "generated_only")
+    if not all(isinstance(m, dict) and "has_repetition" in m and all(k in m for k in keys)
+               and isinstance(m["dataset"], str) for m in meta):
+        raise TraceError(f"{folder}: meta.jsonl rows must be objects with has_repetition and "
+                         f"{', '.join(keys)}")
     datasets = SPLITS[split]
-    keep = np.array([not m["has_repetition"] and m["dataset"] in datasets for m in meta])
+    keep = np.array([not m["has_repetition"] and m["dataset"] in datasets for m in meta],
+                    dtype=bool)
     unknown = {m["dataset"] for m in meta} - set(GPTOSS_TRAIN + GPTOSS_EVAL)
     if unknown:
         raise TraceError(f"{folder}: datasets in no split: {sorted(unknown)}")
+    if not keep.any():
+        raise TraceError(f"{folder}: no sequence of the split {split!r}")
     experts, offsets, probs = _select_sequences(experts, offsets, keep, probs)
-    sequences = [{k: m[k] for k in ("dataset", "category", "n_decode_tokens", "first_token_pos",
-                                    "generated_only")}
-                 for m, k_ in zip(meta, keep) if k_]
+    sequences = [{k: m[k] for k in keys} for m, k_ in zip(meta, keep) if k_]
     return Trace(f"gptoss20b:{split}", experts.astype(np.int16), offsets, 32, "gpt-oss-20b",
                  probs, sequences)
+
+
+def _ids(values: Any, where: Any) -> np.ndarray:
+    """Expert ids as int16, refused (not wrapped) when they are not integers that fit."""
+    array = np.asarray(values)
+    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 3:
+        raise TraceError(f"{where}: experts must be integers (tokens, layers, top_k), found "
+                         f"{array.dtype} of shape {array.shape}")
+    if array.size and (array.min() < 0 or array.max() > MAX_EXPERTS):
+        raise TraceError(f"{where}: expert ids outside [0, {MAX_EXPERTS}]")
+    return array.astype(np.int16)
+
+
+def _offsets(values: Any, where: Any) -> np.ndarray:
+    array = np.asarray(values)
+    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 1:
+        raise TraceError(f"{where}: offsets must be a list of integers, found {array.dtype} of "
+                         f"shape {array.shape}")
+    return array.astype(np.int64)
 
 
 def load_sample(split: str) -> Trace:
@@ -185,9 +238,13 @@ def load_warp(which: str, traces_dir: str | Path | None = None) -> Trace:
             continue
         try:
             rows.append(json.loads(line)["layers"])
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise TraceError(f"{path}:{n}: malformed row: {exc}") from None
-    experts = np.asarray(rows, dtype=np.int16)
+    try:
+        array = np.asarray(rows)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged or mixed rows
+        raise TraceError(f"{path}: rows of different shapes or types: {exc}") from None
+    experts = _ids(array, path)
     return Trace(f"warp:{which}", experts, np.array([0, len(experts)], dtype=np.int64),
                  num_experts, model)
 
@@ -215,14 +272,20 @@ def load_trace_file(path: str | Path) -> Trace:
             meta = json.loads(str(z["meta"]))
             experts, offsets = z["experts"], z["offsets"]
             probs = z["probs"] if "probs" in z.files else None
-    except (OSError, KeyError, ValueError) as exc:
+    except UNREADABLE as exc:
         raise TraceError(f"{path}: not a FlashMoE trace file: {exc}") from None
+    if not isinstance(meta, dict):
+        raise TraceError(f"{path}: not a FlashMoE trace file: its meta is not an object")
     if meta.get("format") != TRACE_FORMAT or meta.get("version") != TRACE_VERSION:
         raise TraceError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}"
                          f", expected {TRACE_FORMAT!r} version {TRACE_VERSION}")
-    return Trace(path.name, experts.astype(np.int16), offsets.astype(np.int64),
-                 int(meta["num_experts"]), str(meta.get("model", "")), probs,
-                 list(meta.get("sequences", [])))
+    num_experts = meta.get("num_experts")
+    if type(num_experts) is not int:
+        raise TraceError(f"{path}: meta num_experts must be an integer, found {num_experts!r}")
+    sequences = meta.get("sequences", [])
+    return Trace(path.name, _ids(experts, path), _offsets(offsets, path), num_experts,
+                 str(meta.get("model", "")), probs,
+                 list(sequences) if isinstance(sequences, list) else sequences)
 
 
 def load_trace(spec: str, traces_dir: str | Path | None = None) -> Trace:

@@ -4,9 +4,10 @@ trace or a text), trace record (a model's router decisions)."""
 from __future__ import annotations
 
 import json
-import sys
 
-from flashmoe.cli.options import add_config_flags, add_quiet, add_trace, config, trace_of
+from flashmoe.cli.options import (add_config_flags, add_quiet, add_trace, config,
+                                  non_negative_int, positive_int, trace_of)
+from flashmoe.errors import UsageError
 
 
 def cmd_warmup(args) -> int:
@@ -18,9 +19,7 @@ def cmd_warmup(args) -> int:
         from flashmoe.tools.text_warmup import warmup_from_text
 
         if not args.store:
-            print("flashmoe warmup --text needs --store (the model that reads the text)",
-                  file=sys.stderr)
-            return 2
+            raise UsageError("--text needs --store (the model that reads the text)")
         summary = warmup_from_text(args.store, args.text, args.out, config(args, args.store),
                                    max_tokens=args.max_tokens, passes=args.passes)
         print(json.dumps(summary))
@@ -50,11 +49,13 @@ def register(sub) -> None:
                                       "predictor) on a routing trace")
     add_trace(p, default="gptoss20b:train")
     p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--passes", type=int, default=2, help="online passes over the trace")
+    p.add_argument("--passes", type=non_negative_int, default=2,
+                   help="online passes over the trace (0: a cold checkpoint)")
     p.add_argument("--store", help="with --text: the store whose model reads the text")
     p.add_argument("--text", help="a text file: run the store's model over it, record its "
                                   "routing and train on that (instead of --trace)")
-    p.add_argument("--max-tokens", type=int, help="with --text: read at most this many tokens")
+    p.add_argument("--max-tokens", type=positive_int,
+                   help="with --text: read at most this many tokens")
     add_quiet(p)
     add_config_flags(p)
     p.set_defaults(func=cmd_warmup)
@@ -66,5 +67,5 @@ def register(sub) -> None:
     p.add_argument("--prompts", required=True,
                    help="JSONL: {\"text\": ...} (needs a tokenizer) or {\"input_ids\": [...]}")
     p.add_argument("--out", required=True, help="trace file to write (.npz)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.set_defaults(func=cmd_trace_record)

@@ -9,17 +9,59 @@ one from there), ``save`` for the report files.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from common.config import load_config
+from common.config import ConfigError, load_config, register_choices
+from flashmoe.errors import CheckpointError
 from flashmoe.reports import write_json
+from services.cache_manager.policies import POLICIES, PolicyError, build_params
 
 PROFILES = ("8gb", "16gb", "32gb")
+
+
+def check_policy_params(settings) -> None:
+    """cache.policy_params must be the chosen policy's parameters: refused where a command
+    reads its config, not when the cache manager starts."""
+    try:
+        build_params(POLICIES[settings.cache.policy], settings.cache.policy_params)
+    except PolicyError as exc:
+        raise ConfigError(f"cache.policy_params = {settings.cache.policy_params!r}: {exc}") \
+            from None
+
+
+# The policy registry is known here, in the app layer (common/ may not import it): from now on
+# cache.policy is checked against it wherever config is read.
+register_choices("cache.policy", lambda: POLICIES)
 SET_HELP = "override one config field (repeatable); see `flashmoe config`"
 
 
 def csv(kind):
     """An argparse type: a comma-separated list of ``kind``."""
     return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def at_least(low: int):
+    """An argparse type: an integer of at least ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+positive_int = at_least(1)
+non_negative_int = at_least(0)
+
+
+def non_empty(text: str) -> str:
+    """An argparse type: a string that is not empty."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def add_set(p: argparse.ArgumentParser, help: str = SET_HELP) -> None:
@@ -103,7 +145,9 @@ def config(args, store: str | None = None, first: list[str] | None = None):
     items = [*(first or []), *overrides(args)]
     if store:
         items.insert(0, f"store.path={store}")
-    return load_config(profile=args.profile, file=args.config, overrides=items)
+    settings = load_config(profile=args.profile, file=args.config, overrides=items)
+    check_policy_params(settings)
+    return settings
 
 
 def save(args, doc: dict, plot=None) -> None:
@@ -114,3 +158,23 @@ def save(args, doc: dict, plot=None) -> None:
     if plot is not None and args.plot:
         plot(doc, args.plot)
         print(f"wrote {args.plot}")
+
+
+def check_warmup(folder: str | None, settings, manifest) -> None:
+    """Refuse, before any process starts, a ``--warmup`` checkpoint that the learning path
+    would refuse: missing, or made for another model's shape or another predictor."""
+    if folder is None:
+        return
+    from flashmoe.sim.learning import warmup_fits
+
+    shape = (len(manifest.moe_layers), manifest.num_experts)
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"--warmup {folder}: no such folder; make a warm-up checkpoint "
+                              f"with `flashmoe warmup --out DIR`, or leave --warmup out")
+    if not warmup_fits(folder, settings, shape):
+        raise CheckpointError(
+            f"--warmup {folder}: not a warm-up checkpoint for this model ({shape[0]} MoE layers x "
+            f"{shape[1]} experts) and predictor ({settings.predictor.model}, hidden "
+            f"{settings.predictor.lstm_hidden}, {settings.features.pca_components} PCA "
+            f"components); make one with `flashmoe warmup --store STORE --text FILE --out DIR`, "
+            f"or leave --warmup out")

@@ -8,8 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup, config, csv,
-                                  trace_of)
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup,
+                                  check_warmup, config, csv, non_empty, non_negative_int,
+                                  positive_int, trace_of)
 from flashmoe.reports import write_json
 
 
@@ -97,25 +98,32 @@ def cmd_serve_worker(args) -> int:
                             args.control_endpoint)
 
 
+# The cache manager's refusal codes that mean the store's bytes are bad.
+STORE_LOAD_ERRORS = ("checksum", "io_error")
+
+
 def cmd_generate(args) -> int:
     import tempfile
 
+    from common.cache_client import ExpertLoadError
     from common.store import StoreError
+    from flashmoe.errors import UsageError
     from flashmoe.runtime.launch import Launcher
     from flashmoe.runtime.serve import check_store, learned_state_dir, learning_specs
-    from services.inference_worker.generate import generate
+    from services.inference_worker.api import encode_prompt
+    from services.inference_worker.generate import generate, load_tokenizer
 
+    # Every mistake that can be seen here is refused before a process starts.
     settings = config(args, args.store, first=["cache.policy=flashmoe"])
+    opened = check_store(args.store)
+    if not encode_prompt(load_tokenizer(args.store), args.prompt):
+        raise UsageError(f"--prompt {args.prompt!r} gives no tokens with this model's tokenizer")
+    check_warmup(args.warmup, settings, opened.manifest)
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    try:
-        opened = check_store(args.store)
-    except StoreError as exc:
-        print(f"flashmoe generate: {exc}", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="flashmoe-generate-") as runtime:
         launcher, events, endpoint = None, args.events, args.cache
         if not args.cache:  # the cache manager and the learning path, as `serve` runs them
@@ -128,9 +136,15 @@ def cmd_generate(args) -> int:
                 launcher.start_together([(spec.name, spec.command) for spec in learning_specs(
                     args.store, state, events, args.warmup, launcher.endpoint)])
                 endpoint = launcher.endpoint("cache_manager")
-            result = generate(args.store, args.prompt, args.max_new_tokens, endpoint,
-                              settings if launcher or args.config or args.set or args.profile
-                              else None, events=events, on_token=show)
+            try:
+                result = generate(args.store, args.prompt, args.max_new_tokens, endpoint,
+                                  settings if launcher or args.config or args.set or args.profile
+                                  else None, events=events, on_token=show)
+            except ExpertLoadError as exc:
+                if exc.code not in STORE_LOAD_ERRORS:
+                    raise
+                raise StoreError(f"{args.store}: {exc}; `flashmoe verify {args.store}` checks "
+                                 f"every block, convert the model again to repair it") from None
         finally:
             if launcher is not None:
                 launcher.stop_all()
@@ -228,8 +242,9 @@ def register(sub) -> None:
                                             "manager, as a worker")
     p.add_argument("--cache", required=True, help="the cache manager's endpoint")
     add_trace(p)
-    p.add_argument("--start", type=int, default=0, help="first decode step (row) to replay")
-    p.add_argument("--tokens", type=int, help="decode steps to replay (default: all)")
+    p.add_argument("--start", type=non_negative_int, default=0,
+                   help="first decode step (row) to replay")
+    p.add_argument("--tokens", type=positive_int, help="decode steps to replay (default: all)")
     add_json(p, help="write the cache manager's stats at the end")
     _add_events(p)
     p.add_argument("--token-ms", type=float, default=0.0,
@@ -256,8 +271,8 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text with a store's model, its experts "
                                         "through the cache manager")
     p.add_argument("--store", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, type=non_empty)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--cache", help="a running cache manager's endpoint (default: start one, "
                                    "with the extractor and predictor, for this run)")
     p.add_argument("--home", default=".flashmoe/serve",

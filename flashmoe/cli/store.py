@@ -6,25 +6,30 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import load_config
+from common.config import check_value, load_config
 from common.model_families import FAMILIES
-from flashmoe.cli.options import add_config_flags, add_quiet
+from flashmoe.cli.options import add_config_flags, add_quiet, positive_int
+from flashmoe.errors import UsageError
 
 
 def _store_config(args):
-    """The config of a command that writes a store: --block-size and --parallelism over --set."""
-    overrides = list(args.set)
-    if args.block_size:
-        overrides.append(f"store.block_size={args.block_size}")
-    if args.parallelism:
-        overrides.append(f"store.parallelism={args.parallelism}")
-    return load_config(profile=args.profile, file=args.config, overrides=overrides)
+    """The config of a command that writes a store: --block-size and --parallelism over
+    --set, each refused in the words of the flag the user typed."""
+    config = load_config(profile=args.profile, file=args.config, overrides=list(args.set))
+    if args.block_size is not None:
+        config.store.block_size = check_value("store.block_size", args.block_size,
+                                              f"--block-size {args.block_size}")
+    if args.parallelism is not None:
+        config.store.parallelism = check_value("store.parallelism", args.parallelism,
+                                               f"--parallelism {args.parallelism}")
+    return config
 
 
 def cmd_convert(args) -> int:
-    from flashmoe.tools.convert import convert_checkpoint
+    from flashmoe.tools.convert import check_target, convert_checkpoint
 
     config = _store_config(args)
+    check_target(args.hf_dir, args.store, force=args.force)
     manifest = convert_checkpoint(args.hf_dir, args.store, block_size=config.store.block_size,
                                   parallelism=config.store.parallelism,
                                   show_progress=not args.quiet)
@@ -37,10 +42,13 @@ def cmd_convert(args) -> int:
 
 
 def cmd_synth_store(args) -> int:
-    from flashmoe.tools.synth_store import DEFAULT_SCALE, synth_store
+    from flashmoe.tools.synth_store import DEFAULT_SCALE, check_synth_target, synth_store
 
     config = _store_config(args)
     scale = DEFAULT_SCALE if args.scale is None else args.scale
+    if not 0 < scale <= 1:
+        raise UsageError(f"--scale {scale}: must be in (0, 1]")
+    check_synth_target(args.store, force=args.force)
     store = synth_store(args.store, args.shape, scale, config.store.block_size,
                         config.store.parallelism, seed=args.seed, show_progress=not args.quiet)
     total = sum(e.nbytes for e in store.manifest.experts)
@@ -67,6 +75,9 @@ def cmd_verify(args) -> int:
 def cmd_make_tiny_model(args) -> int:
     from flashmoe.tools.tiny_models import build_tiny_model
 
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k}: a token cannot route to more experts than "
+                         f"the {args.experts} there are (--experts)")
     out = build_tiny_model(args.family, args.out, seed=args.seed, layers=args.layers,
                            experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                            expert_intermediate=args.expert_intermediate)
@@ -90,6 +101,8 @@ def cmd_build_helper(args) -> int:
 def _add_layout_flags(p: argparse.ArgumentParser, block_help: str) -> None:
     p.add_argument("--block-size", help=block_help)
     p.add_argument("--parallelism", type=int, help="stripe files (default: store.parallelism)")
+    p.add_argument("--force", action="store_true",
+                   help="write into a folder that is not empty (replacing a store there)")
 
 
 def register(sub) -> None:
@@ -123,11 +136,11 @@ def register(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="save a random-weight MoE model (no download)")
     p.add_argument("family", choices=tuple(FAMILIES))
     p.add_argument("out")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--expert-intermediate", type=int, default=64)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--experts", type=positive_int, default=8)
+    p.add_argument("--top-k", type=positive_int, default=2)
+    p.add_argument("--hidden", type=positive_int, default=64)
+    p.add_argument("--expert-intermediate", type=positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
 

@@ -74,6 +74,9 @@ def _io_uring_setup() -> Check:
 def _o_direct(store_path: Path | None) -> Check:
     if store_path is None:
         return Check("O_DIRECT", WARN, "no store given: not checked", "flashmoe doctor STORE")
+    if not store_path.is_dir():
+        return Check("O_DIRECT", WARN, "no store folder: not checked",
+                     "flashmoe doctor STORE, the folder of a converted store")
     stripes = sorted(store_path.glob("stripe_*.bin"))
     if not stripes:
         return Check("O_DIRECT", FAIL, f"{store_path}: no stripe files (not a store?)",
@@ -99,11 +102,11 @@ def _o_direct(store_path: Path | None) -> Check:
 def _arena_bytes(config: FlashMoEConfig, store_path: Path | None) -> int | None:
     if store_path is None:
         return None
-    from common.store import ExpertStore
+    from common.store import ExpertStore, StoreError
 
     try:
         store = ExpertStore.open(store_path)
-    except Exception:  # reported by the store check
+    except StoreError:  # reported by the store check
         return None
     slot = -(-store.manifest.max_expert_bytes // 4096) * 4096
     return slot * config.cache.capacity_experts
@@ -112,13 +115,20 @@ def _arena_bytes(config: FlashMoEConfig, store_path: Path | None) -> int | None:
 def _store(store_path: Path | None) -> Check | None:
     if store_path is None:
         return None
-    from common.store import ExpertStore
+    from common.store import MANIFEST_NAME, ExpertStore, StoreError
 
+    if not store_path.exists():
+        return Check("store", FAIL, f"{store_path}: no such folder",
+                     "give the folder of a store made by `flashmoe convert HF_DIR STORE`")
+    if not (store_path / MANIFEST_NAME).is_file():
+        return Check("store", FAIL, f"{store_path}: not a store (no {MANIFEST_NAME})",
+                     f"flashmoe convert HF_DIR {store_path}, or give a converted store's folder")
     try:
         store = ExpertStore.open(store_path)
-    except Exception as exc:
-        return Check("store", FAIL, f"{store_path}: {exc}",
-                     "flashmoe verify STORE names the first bad block; re-convert")
+    except StoreError as exc:
+        return Check("store", FAIL, str(exc),
+                     f"flashmoe verify {store_path} names every bad block; convert the model "
+                     f"again to repair it")
     m = store.manifest
     return Check("store", OK, f"{m.model_family}, {len(m.experts)} experts of up to "
                  f"{m.max_expert_bytes / 1e6:.1f} MB, blocks of {m.block_size // 1024} KiB in "

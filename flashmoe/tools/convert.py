@@ -17,7 +17,7 @@ from pathlib import Path
 from common.checkpoints import fsync_path
 from common.model_families import ExpertPart, UnsupportedModelError, family_for_config
 from common.safetensors_io import TensorReader, TensorRef, index_checkpoint
-from common.store import CONFIG_NAME, MANIFEST_NAME, Manifest, StoreError
+from common.store import CONFIG_NAME, MANIFEST_NAME, Manifest, StoreError, write_lock
 from flashmoe.tools.store_writer import StoreMeta, TensorSpec, write_store
 
 # Files of a checkpoint folder that text generation needs beside the weights (the tokenizer's,
@@ -39,6 +39,28 @@ def _copy_generation_files(hf_dir: Path, store_dir: Path) -> None:
             target.unlink(missing_ok=True)
 
 
+def check_target(hf_dir: str | os.PathLike, store_dir: str | os.PathLike,
+                 force: bool = False) -> None:
+    """Refuse, before anything is written, a target folder whose contents a conversion would
+    replace: a non-empty folder, above all one holding a ``config.json`` (a checkpoint folder,
+    given as the target by swapped arguments), unless ``force``."""
+    out = Path(store_dir)
+    if out.exists() and not out.is_dir():
+        raise StoreError(f"{out}: exists and is not a folder; give the store a new folder")
+    if force or not out.exists():
+        return
+    if (out / MANIFEST_NAME).is_file():
+        raise StoreError(f"{out} already holds a FlashMoE store; add --force to replace it, or "
+                         f"convert into a new folder")
+    if (out / CONFIG_NAME).exists():
+        raise StoreError(f"{out} holds a {CONFIG_NAME} (a checkpoint folder? the arguments are "
+                         f"HF_DIR then STORE); convert into a new folder, or add --force to "
+                         f"overwrite it")
+    if any(out.iterdir()):
+        raise StoreError(f"{out} is not empty; convert into a new or empty folder, or add "
+                         f"--force to write the store among what is there")
+
+
 def convert_checkpoint(hf_dir: str | os.PathLike, store_dir: str | os.PathLike,
                        block_size: int = 256 * 1024, parallelism: int = 4,
                        show_progress: bool = True) -> Manifest:
@@ -48,6 +70,11 @@ def convert_checkpoint(hf_dir: str | os.PathLike, store_dir: str | os.PathLike,
     turns it off everywhere."""
     hf_dir, store_dir = Path(hf_dir), Path(store_dir)
     config_path = hf_dir / CONFIG_NAME
+    if not hf_dir.is_dir():
+        raise StoreError(f"{hf_dir}: no such checkpoint folder")
+    if store_dir.resolve() == hf_dir.resolve():
+        raise StoreError(f"{store_dir} is the checkpoint folder itself; give the store a folder "
+                         f"of its own")
     if not config_path.is_file():
         raise StoreError(f"{hf_dir}: no {CONFIG_NAME}; not a Hugging Face checkpoint folder")
     config_bytes = config_path.read_bytes()
@@ -91,13 +118,15 @@ def convert_checkpoint(hf_dir: str | os.PathLike, store_dir: str | os.PathLike,
         destination[:] = data if part.index is None else \
             data[part.index * tensor.nbytes:(part.index + 1) * tensor.nbytes]
 
-    # No manifest while the folder holds a mix of old and new files.
-    (store_dir / MANIFEST_NAME).unlink(missing_ok=True)
-    _copy_generation_files(hf_dir, store_dir)
     try:
-        return write_store(store_dir, meta, specs, fill,
-                           lambda: [(r.name, r.dtype, r.shape, reader.view(r))
-                                    for r in non_expert],
-                           config_bytes, block_size, parallelism, show_progress, desc="convert")
+        with write_lock(store_dir):
+            # No manifest while the folder holds a mix of old and new files.
+            (store_dir / MANIFEST_NAME).unlink(missing_ok=True)
+            _copy_generation_files(hf_dir, store_dir)
+            return write_store(store_dir, meta, specs, fill,
+                               lambda: [(r.name, r.dtype, r.shape, reader.view(r))
+                                        for r in non_expert],
+                               config_bytes, block_size, parallelism, show_progress,
+                               desc="convert", locked=True)
     finally:
         reader.close()

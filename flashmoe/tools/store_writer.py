@@ -4,7 +4,9 @@ One writer for every way a store is made: `flashmoe convert` (tensors read from 
 and `flashmoe synth-store` (random weights of a model's shape). The caller describes each
 expert's tensors and fills their bytes; the writer lays them out (each tensor aligned to
 ``TENSOR_ALIGN``), cuts them into blocks, stripes the blocks, checksums them, writes the side
-files, fsyncs everything and renames the manifest into place last.
+files, fsyncs everything and renames the manifest into place last, all under the store's
+write lock (``common.store.write_lock``): a store that a running process has open is refused,
+not rewritten under it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,7 +26,7 @@ from common.safetensors_io import write_safetensors
 from common.store import (ALIGN, CONFIG_NAME, FORMAT_VERSION, MANIFEST_NAME, NON_EXPERT_NAME,
                           SIDE_FILES, TENSOR_ALIGN, ExpertEntry, FileEntry, Manifest,
                           TensorEntry, block_location, block_read_len, expected_stripe_sizes,
-                          file_crc32, round_up, stripe_name)
+                          file_crc32, round_up, stripe_name, write_lock)
 
 
 @dataclass(frozen=True)
@@ -79,14 +82,23 @@ def plan_experts(specs: dict[tuple[int, int], list[TensorSpec]], block_size: int
 def write_store(store_dir: Path, meta: StoreMeta, specs: dict[tuple[int, int], list[TensorSpec]],
                 fill: Fill, non_expert: Callable[[], NonExpertTensors], config_bytes: bytes,
                 block_size: int, parallelism: int, show_progress: bool = True,
-                desc: str = "write store") -> Manifest:
-    """Write a whole store at ``store_dir`` (replacing one there). The progress bar goes to
-    stderr, only when it is a terminal; ``show_progress=False`` turns it off everywhere."""
+                desc: str = "write store", locked: bool = False) -> Manifest:
+    """Write a whole store at ``store_dir`` (replacing one there) under its write lock
+    (``locked``: the caller holds it already). The progress bar goes to stderr, only when it
+    is a terminal; ``show_progress=False`` turns it off everywhere."""
     if block_size <= 0 or block_size % ALIGN:
         raise ValueError(f"block size {block_size} must be a positive multiple of {ALIGN}")
     if parallelism < 1:
         raise ValueError(f"parallelism {parallelism} must be at least 1")
     experts = plan_experts(specs, block_size, str(store_dir))
+    with nullcontext() if locked else write_lock(store_dir):
+        return _write(store_dir, meta, experts, fill, non_expert, config_bytes, block_size,
+                      parallelism, show_progress, desc)
+
+
+def _write(store_dir: Path, meta: StoreMeta, experts: list[ExpertEntry], fill: Fill,
+           non_expert: Callable[[], NonExpertTensors], config_bytes: bytes, block_size: int,
+           parallelism: int, show_progress: bool, desc: str) -> Manifest:
     n_blocks = sum(e.n_blocks for e in experts)
     store_dir.mkdir(parents=True, exist_ok=True)
     # A store being rewritten must never look valid half-way: drop the old manifest first.

@@ -39,6 +39,23 @@ def _bf16_pool(rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def check_synth_target(out: str | Path, force: bool = False) -> None:
+    """Refuse, before anything is written, a target folder that holds something other than a
+    synthetic store (which is reused or replaced), unless ``force``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise StoreError(f"{out}: exists and is not a folder; give the store a new folder")
+    if force or not out.exists() or not any(out.iterdir()):
+        return
+    try:
+        synthetic = "flashmoe_synthetic" in json.loads((out / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        synthetic = False
+    if not synthetic:
+        raise StoreError(f"{out} is not empty and holds no synthetic store; give a new or "
+                         f"empty folder, or add --force to write the store among what is there")
+
+
 def synth_store(out: str | Path, shape_name: str = "gpt-oss-20b", scale: float = DEFAULT_SCALE,
                 block_size: int = 256 * 1024, parallelism: int = 4, seed: int = 0,
                 show_progress: bool = True) -> ExpertStore:
@@ -55,11 +72,11 @@ def synth_store(out: str | Path, shape_name: str = "gpt-oss-20b", scale: float =
               "flashmoe_synthetic": {"shape": shape.name, "scale": scale, "seed": seed,
                                      "block_size": block_size, "parallelism": parallelism}}
     try:
-        store = ExpertStore.open(out)
-        existing = json.loads((out / "config.json").read_text()).get("flashmoe_synthetic")
+        with ExpertStore.open(out):  # closed: its lock would refuse the writer
+            existing = json.loads((out / "config.json").read_text()).get("flashmoe_synthetic")
         if existing == config["flashmoe_synthetic"]:
-            return store
-    except (StoreError, OSError, ValueError):
+            return ExpertStore.open(out)
+    except (StoreError, OSError, ValueError, AttributeError):
         pass
     shapes = gpt_oss_expert_shapes(shape.hidden, intermediate)
     specs = {(layer, expert): [TensorSpec(name, f"model.layers.{layer}.mlp.experts.{name}"

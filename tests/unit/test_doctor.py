@@ -17,11 +17,21 @@ def test_a_good_store_passes_and_names_the_engine(tiny_store, capsys):
     assert "O_DIRECT" in capsys.readouterr().out
 
 
-def test_a_missing_store_fails_with_a_fix(tmp_path):
+def test_a_missing_store_folder_is_said_not_to_exist(tmp_path):
+    """`doctor nope` used to suggest re-converting a folder that does not exist."""
     checks = by_name(doc.doctor(load_config(env={}), str(tmp_path / "nothing")))
-    assert checks["store"].verdict == doc.FAIL and checks["store"].fix
-    assert checks["O_DIRECT"].verdict == doc.FAIL and "convert" in checks["O_DIRECT"].fix
+    assert checks["store"].verdict == doc.FAIL
+    assert checks["store"].detail == f"{tmp_path / 'nothing'}: no such folder"
+    assert "verify" not in checks["store"].fix and "again" not in checks["store"].fix
+    assert checks["O_DIRECT"].verdict == doc.WARN and "not checked" in checks["O_DIRECT"].detail
     assert main(["doctor", str(tmp_path / "nothing")]) == 1
+
+
+def test_a_folder_that_is_not_a_store_fails_with_the_convert_fix(tmp_path):
+    checks = by_name(doc.doctor(load_config(env={}), str(tmp_path)))
+    assert checks["store"].verdict == doc.FAIL and "not a store" in checks["store"].detail
+    assert "flashmoe convert" in checks["store"].fix
+    assert checks["O_DIRECT"].verdict == doc.FAIL and "convert" in checks["O_DIRECT"].fix
 
 
 def test_an_arena_larger_than_dev_shm_fails():
