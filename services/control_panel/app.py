@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -38,7 +40,8 @@ from pydantic import BaseModel, Field
 
 from common.config import LOOPBACK_HOSTS, host_name
 
-from .core import PANEL_METRICS, RATE_METRICS, Metric, changes_schema, metric_samples
+from .core import (PANEL_METRICS, RATE_METRICS, Metric, changes_schema, json_safe,
+                   metric_samples)
 from .panel import Panel
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -139,6 +142,13 @@ def make_app(panel: Panel, allowed_hosts: frozenset[str] | None = frozenset(LOOP
                   description="Live stats and tuning of the FlashMoE services, over their "
                               "control sockets. Changes need the token printed at start.")
     app.middleware("http")(host_check(allowed_hosts))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler fails (500) on a body that is not UTF-8 or holds NaN
+        return JSONResponse({"detail": json_safe(jsonable_encoder(
+            exc.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")}))},
+            status_code=422)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(panel))
 
@@ -190,7 +200,7 @@ def make_app(panel: Panel, allowed_hosts: frozenset[str] | None = frozenset(LOOP
                         503: {"description": "no service answered"}})
     def put_config(update: ConfigUpdate) -> JSONResponse:
         outcome = panel.apply(update.changes)
-        return JSONResponse(outcome.body, status_code=outcome.status)
+        return JSONResponse(json_safe(outcome.body), status_code=outcome.status)
 
     @app.get("/metrics", summary="Prometheus text format")
     def metrics() -> Response:

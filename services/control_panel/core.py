@@ -136,6 +136,22 @@ class Redactor:
         return value
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` as strict JSON can carry it: a non-finite number or bytes (a request's own
+    bad input, echoed in its refusal) as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, Mapping):
+        return {str(json_safe(k)): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")  # lone surrogates
+    return value
+
+
 def redact(config: Mapping[str, Any], redactor: Redactor | None = None) -> dict[str, Any]:
     """``config`` without its secret fields (the panel's token, passwords, the API key), every
     text scrubbed by ``redactor`` (by default one that knows ``config``'s own secrets)."""
