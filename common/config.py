@@ -336,6 +336,7 @@ def host_name(header: str) -> str:
     name = header.rpartition(":")[0] if header.count(":") == 1 else header
     return name.rstrip(".")
 
+
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "8gb": {"predictor": {"lstm_hidden": 32}, "store": {"block_size": 128 * KIB},
