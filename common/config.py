@@ -222,6 +222,12 @@ class PanelConfig:
         "Token that changes through the control panel must carry (header `Authorization: "
         "Bearer <token>` or `X-FlashMoE-Token`); empty: one is generated at start and printed.",
         secret=True))
+    allowed_hosts: str = field(default="", metadata=_spec(
+        "Host names (comma-separated) the panel answers besides the loopback names (localhost, "
+        "127.0.0.1, ::1) and its listening address; a request naming another Host gets 400 "
+        "(DNS rebinding). Add the name a browser uses for a published port, e.g. "
+        "`panel.example.lan,192.168.1.5`; `*` accepts any.",
+        fixed_because="the panel reads it when it starts: restart it"))
 
 
 _SERVE_FIXED = "the API's settings are read when `flashmoe serve` starts: restart it"
@@ -302,6 +308,36 @@ class ServeConfig:
     max_batch: int = field(default=8, metadata=_spec(
         "Sequences decoded together (each MoE layer's experts acquired once for all of them).",
         lo=1, hi=256, fixed_because=_SERVE_FIXED))
+    allowed_hosts: str = field(default="", metadata=_spec(
+        "Host names (comma-separated) the API answers besides the loopback names (localhost, "
+        "127.0.0.1, ::1) and serve.host; a request naming another Host gets 400 (DNS "
+        "rebinding). Add the name clients use for a published port, e.g. "
+        "`llm.example.lan,192.168.1.5`; `*` accepts any.", fixed_because=_SERVE_FIXED))
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+WILDCARD_ADDRESSES = ("", "0.0.0.0", "::")
+
+
+def allowed_hosts(configured: str, bind_host: str) -> frozenset[str] | None:
+    """The Host names an HTTP server (panel, serve's API) answers, from its ``allowed_hosts``
+    field and its listening address: the loopback names, the address unless a wildcard, and
+    the configured names; None when ``*`` is among them (any host)."""
+    names = {name.strip().lower().rstrip(".") for name in configured.split(",")} - {""}
+    if "*" in names:
+        return None
+    if bind_host.strip("[]") not in WILDCARD_ADDRESSES:
+        names.add(bind_host.strip("[]").lower())
+    return frozenset({*LOOPBACK_HOSTS, *(name.strip("[]") for name in names)})
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header (``name``, ``name:port``, ``[v6]:port``), lower case."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    name = header.rpartition(":")[0] if header.count(":") == 1 else header
+    return name.rstrip(".")
 
 
 # DESIGN.md "Device profiles": defaults that depend on the device's RAM.

@@ -8,8 +8,14 @@
   PUT  /api/config      {"changes": {"section.field": value}}: 401 without the token, 422 for
                         an unknown field or a value out of range, 409 for what cannot change
                         while running, else applied through the services' control sockets
-  GET  /metrics         Prometheus text format
+  GET  /metrics         Prometheus text format (names, types and help from ``core.METRICS``)
+  GET  /health          200 while the panel runs, with the services that answered
   GET  /docs            Swagger UI from local assets (scripts/setup.sh); /openapi.json always
+
+Reads are open (the page, scrapers and healthchecks use them) and show no secret; writes need
+the token. A request whose Host header is not allowed (``panel.allowed_hosts``, the loopback
+names, the listening address) gets 400 before any route: a web page cannot reach a loopback
+panel through DNS rebinding. Every error is JSON ``{"detail": ...}``.
 
 The page and its chart library (uPlot) are served from ``static/``, never from a CDN: an edge
 box has no internet. Everything the API says about fields comes from common/config.py through
@@ -18,20 +24,24 @@ box has no internet. Everything the API says about fields comes from common/conf
 
 from __future__ import annotations
 
-import re
 import secrets
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field
 
-from .core import SERIES, changes_schema
+from common.config import LOOPBACK_HOSTS, host_name
+
+from .core import (PANEL_METRICS, RATE_METRICS, Metric, changes_schema, json_safe,
+                   metric_samples)
 from .panel import Panel
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -69,14 +79,11 @@ class ConfigView(BaseModel):
     tuned: dict[str, Any] = Field(description="live changes applied through the panel")
 
 
-def _metric_name(*parts: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(("flashmoe", *parts)))
-
-
 class StatsCollector:
-    """Prometheus view of the panel's latest stats round: one gauge per numeric stat of each
-    service (``flashmoe_<service>_<stat>``), ``flashmoe_up{service}``, and the derived rates
-    (``flashmoe_hit_rate``...)."""
+    """Prometheus view of the panel's latest stats round: ``flashmoe_up{service}``, each
+    service's stats as ``core.METRICS`` names, types and describes them
+    (``flashmoe_<service>_<name>``), the panel's own counters and the derived rates
+    (``flashmoe_hit_ratio``...)."""
 
     def __init__(self, panel: Panel) -> None:
         self.panel = panel
@@ -84,27 +91,64 @@ class StatsCollector:
     def collect(self):
         view = self.panel.stats_view()
         up = GaugeMetricFamily("flashmoe_up", "1 when the service answered the last stats "
-                               "round", labels=["service"])
+                               "round, else 0.", labels=["service"])
         for name in view["services"]:
             up.add_metric([name], 1)
         for name in view["unavailable"]:
             up.add_metric([name], 0)
         yield up
-        for service, values in sorted(view["services"].items()):
-            for key, value in sorted(values.items()):
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    yield GaugeMetricFamily(_metric_name(service, key),
-                                            f"{service} stat {key}", value=value)
-        for key in SERIES:
-            value = view["rates"].get(key)
-            if isinstance(value, (int, float)):
-                yield GaugeMetricFamily(_metric_name(key), f"derived: {key}", value=value)
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        samples = [sample for service, values in sorted(view["services"].items())
+                   for sample in metric_samples(service, values)]
+        samples += [(f"flashmoe_panel_{metric.name}", metric, {}, value * metric.scale)
+                    for key, metric in PANEL_METRICS.items()
+                    if isinstance(value := view["panel"].get(key), (int, float))]
+        samples += [(f"flashmoe_{metric.name}", metric, {}, value * metric.scale)
+                    for key, metric in RATE_METRICS.items()
+                    if isinstance(value := view["rates"].get(key), (int, float))]
+        for name, metric, labels, value in samples:
+            family = families.get(name)
+            if family is None:
+                family = families[name] = _family(name, metric, list(labels))
+            family.add_metric(list(labels.values()), value)
+        yield from families.values()
 
 
-def make_app(panel: Panel) -> FastAPI:
+def _family(name: str, metric: Metric, labels: list[str]):
+    kind = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+    return kind(name, metric.help, labels=labels)
+
+
+def host_check(allowed: frozenset[str] | None):
+    """A middleware that answers 400 to a request whose Host header names a host not in
+    ``allowed`` (None: any host)."""
+
+    async def check(request: Request, call_next):
+        given = request.headers.get("host")
+        if allowed is not None and given is not None and host_name(given) not in allowed:
+            return JSONResponse({"detail": f"Host {given!r} is not allowed: the panel answers "
+                                           f"{', '.join(sorted(allowed))} (add the name to "
+                                           f"panel.allowed_hosts)"}, status_code=400)
+        return await call_next(request)
+
+    return check
+
+
+def make_app(panel: Panel, allowed_hosts: frozenset[str] | None = frozenset(LOOPBACK_HOSTS)
+             ) -> FastAPI:
+    """The panel's app, answering requests whose Host is in ``allowed_hosts`` (None: any;
+    see ``common.config.allowed_hosts``)."""
     app = FastAPI(title="FlashMoE control panel", docs_url=None, redoc_url=None,
                   description="Live stats and tuning of the FlashMoE services, over their "
                               "control sockets. Changes need the token printed at start.")
+    app.middleware("http")(host_check(allowed_hosts))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler fails (500) on a body that is not UTF-8 or holds NaN
+        return JSONResponse({"detail": json_safe(jsonable_encoder(
+            exc.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")}))},
+            status_code=422)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(panel))
 
@@ -126,6 +170,12 @@ def make_app(panel: Panel) -> FastAPI:
     @app.get("/api/stats", summary="Every service's stats and the derived rates")
     def get_stats() -> dict[str, Any]:
         return panel.stats_view()
+
+    @app.get("/health", summary="200 while the panel runs, with the services that answered")
+    def health() -> dict[str, Any]:
+        view = panel.stats_view()
+        return {"status": "ok", "services": sorted(view["services"]),
+                "unavailable": sorted(view["unavailable"])}
 
     @app.get("/api/history", summary="The derived rates over the last minutes")
     def get_history() -> dict[str, list]:
@@ -150,7 +200,7 @@ def make_app(panel: Panel) -> FastAPI:
                         503: {"description": "no service answered"}})
     def put_config(update: ConfigUpdate) -> JSONResponse:
         outcome = panel.apply(update.changes)
-        return JSONResponse(outcome.body, status_code=outcome.status)
+        return JSONResponse(json_safe(outcome.body), status_code=outcome.status)
 
     @app.get("/metrics", summary="Prometheus text format")
     def metrics() -> Response:

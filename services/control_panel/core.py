@@ -2,7 +2,13 @@
 
 - What a page may see of the config: every field of ``common/config.py`` with its value, doc,
   default, range and live flag (``public_fields``), and the JSON Schema of a change
-  (``changes_schema``), both generated from the one definition, never a copy of it.
+  (``changes_schema``), both generated from the one definition, never a copy of it. No read
+  shows a secret: secret fields are left out, and every text the panel serves (config values,
+  the services' stats) is scrubbed of the secrets' values and of the credentials of any URL
+  (``Redactor``).
+- What /metrics exports: each service's stats named, typed and described in ``METRICS``
+  (Prometheus conventions: counters end in ``_total``, base units, a written help line; ids
+  such as pids are never values); a stat not listed is in /api/stats only.
 - Whether a change may go to the services: ``validate_changes`` (422: unknown field, a value
   out of its range, named with the range, or not among the choices a running service gives,
   such as the cache manager's policies), ``fixed_refusals`` (409: fields that cannot change
@@ -22,8 +28,13 @@ Definitions (per interval between two snapshots of the cache manager's counters)
 from __future__ import annotations
 
 import math
+import re
+import threading
 from collections import deque
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+from urllib.parse import urlsplit
 
 from common.config import ConfigError, check_value, describe_fields
 
@@ -56,13 +67,100 @@ def public_fields(config: Mapping[str, Any], choices: Choices = NO_CHOICES
              "value": _value_at(config, row["key"])} for row in _rows(choices)]
 
 
-def redact(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` without its secret fields (the panel's token)."""
+REDACTED = "***"
+# scheme://userinfo@ : the userinfo (user:password) of any URL in a text
+URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#@]+@")
+# A secret shorter than this is scrubbed only where it is a whole value: scrubbing it inside
+# every text would garble the text without hiding anything.
+MIN_SCRUBBED_CHARS = 4
+
+
+def secret_values(config: Mapping[str, Any]) -> set[str]:
+    """The secrets a config (``FlashMoEConfig.to_dict()``) holds: its secret fields' values,
+    the password of every URL in it, and the first line of the Redis password file when it
+    can be read."""
+    found = set()
+    for row in describe_fields():
+        value = _value_at(config, row["key"])
+        if not isinstance(value, str) or not value:
+            continue
+        if row["secret"]:
+            found.add(value)
+        elif "://" in value:
+            try:
+                password = urlsplit(value).password
+            except ValueError:
+                password = None
+            if password:
+                found.add(password)
+    password_file = _value_at(config, "cluster.password_file")
+    if isinstance(password_file, str) and password_file:
+        try:
+            first = Path(password_file).read_text().splitlines()[:1]
+        except (OSError, UnicodeDecodeError):
+            first = []
+        found.update(line.strip() for line in first if line.strip())
+    return found
+
+
+class Redactor:
+    """Scrubs secrets from anything JSON-shaped: the known secret values, and the credentials
+    of every URL (``redis://:pw@host`` -> ``redis://***@host``)."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self.lock = threading.Lock()  # the poller adds while requests scrub
+        self.secrets: frozenset[str] = frozenset()
+        self.add(secrets)
+
+    def add(self, secrets: Iterable[str]) -> None:
+        with self.lock:
+            self.secrets = self.secrets | {s for s in secrets if s}
+            # longest first, so that a secret holding another is replaced whole
+            self._long = sorted((s for s in self.secrets if len(s) >= MIN_SCRUBBED_CHARS),
+                                key=len, reverse=True)
+
+    def text(self, value: str) -> str:
+        if value in self.secrets:
+            return REDACTED
+        for secret in self._long:
+            value = value.replace(secret, REDACTED)
+        return URL_CREDENTIALS.sub(lambda m: f"{m.group(1)}{REDACTED}@", value)
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, Mapping):
+            return {self(k) if isinstance(k, str) else k: self(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self(v) for v in value]
+        return value
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as strict JSON can carry it: a non-finite number or bytes (a request's own
+    bad input, echoed in its refusal) as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, Mapping):
+        return {str(json_safe(k)): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")  # lone surrogates
+    return value
+
+
+def redact(config: Mapping[str, Any], redactor: Redactor | None = None) -> dict[str, Any]:
+    """``config`` without its secret fields (the panel's token, passwords, the API key), every
+    text scrubbed by ``redactor`` (by default one that knows ``config``'s own secrets)."""
+    redactor = redactor or Redactor(secret_values(config))
     secret = {row["key"] for row in describe_fields() if row["secret"]}
-    return {section: ({name: value for name, value in values.items()
-                       if f"{section}.{name}" not in secret}
-                      if isinstance(values, dict) else values)
-            for section, values in config.items()}
+    return redactor({section: ({name: value for name, value in values.items()
+                                if f"{section}.{name}" not in secret}
+                               if isinstance(values, dict) else values)
+                     for section, values in config.items()})
 
 
 def _field_schema(row: dict[str, Any]) -> dict[str, Any]:
@@ -246,3 +344,177 @@ class History:
 
         return {"t": [s["t"] for s in self.samples],
                 **{name: [clean(s.get(name)) for s in self.samples] for name in SERIES}}
+
+
+# --- /metrics ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Metric:
+    """How one stat is exported: ``flashmoe_<service>_<name>`` (a counter gets ``_total``
+    from the exposition), its help line, and the factor to its base unit (seconds, bytes).
+    ``label``: for a family of stats sharing a prefix, the label that holds the rest of the
+    key. A stat that is negative has no sample (``-1``: not known yet)."""
+    name: str
+    kind: str  # "counter" or "gauge"
+    help: str
+    scale: float = 1.0
+    label: str | None = None
+
+
+def _c(name: str, help_: str, scale: float = 1.0, label: str | None = None) -> Metric:
+    return Metric(name, "counter", help_, scale, label)
+
+
+def _g(name: str, help_: str, scale: float = 1.0, label: str | None = None) -> Metric:
+    return Metric(name, "gauge", help_, scale, label)
+
+
+# Stats every service reports (common/service.py, common/bus.py).
+COMMON_METRICS: dict[str, Metric] = {
+    "uptime_s": _g("uptime_seconds", "Seconds since the service started."),
+    "n_received": _c("received_messages", "Bus messages received."),
+    "n_gap": _c("sequence_gaps", "Bus messages missed (gaps in their sequence numbers)."),
+    "n_out_of_order": _c("out_of_order_messages", "Bus messages that came out of order."),
+    "checkpoints": _c("checkpoints", "Checkpoints of the learned state written."),
+}
+# Key prefixes that name a family: the rest of the key is the label's value.
+PREFIX_METRICS: dict[str, Metric] = {
+    "rejected_": _c("rejected_messages", "Messages refused (and counted, never served), by "
+                    "reason.", label="reason"),
+    "cpu_ms_": _g("cpu_seconds_per_token", "CPU seconds spent per token, by stage.", 1e-3,
+                  label="stage"),
+}
+METRICS: dict[str, dict[str, Metric]] = {
+    "cache_manager": {
+        "n_hit": _c("hits", "Expert requests found resident."),
+        "n_miss": _c("misses", "Expert requests that needed a read from the store."),
+        "n_hit_loading": _c("hits_loading", "Expert requests found already on their way "
+                            "(a prefetch under way): no new read."),
+        "n_acquire": _c("acquires", "Acquire requests from workers (one per layer and "
+                        "token)."),
+        "n_evict": _c("evictions", "Experts evicted from the arena."),
+        "n_load": _c("loads", "Expert loads started (demand and prefetch)."),
+        "n_load_failed": _c("failed_loads", "Expert loads that failed (IO error or bad "
+                            "checksum)."),
+        "n_checksum_error": _c("checksum_errors", "Blocks whose checksum did not match."),
+        "n_io_error": _c("io_errors", "Reads that the IO engine reported failed."),
+        "n_byte_read": _c("read_bytes", "Bytes read from the store."),
+        "n_byte_loaded": _c("loaded_bytes", "Bytes of experts loaded into the arena."),
+        "n_prefetch_hint": _c("prefetch_hints", "Prefetch hints received from workers."),
+        "workers_gone": _c("workers_gone", "Workers that disconnected or went silent (their "
+                           "pins released)."),
+        "requests_cancelled": _c("cancelled_requests", "Acquire requests cancelled before "
+                                 "their answer."),
+        "predictions": _c("predictions", "Prediction messages received from the "
+                          "predictor."),
+        "prediction_gaps": _c("prediction_gaps", "Prediction messages missed (gaps in "
+                              "their sequence numbers)."),
+        "estimates_used": _c("estimates_used", "Evictions decided on the predictor's "
+                             "estimate."),
+        "prefetch_issued": _c("prefetches_issued", "Prefetch loads started."),
+        "prefetch_used": _c("prefetches_used", "Prefetched experts asked for before their "
+                            "eviction."),
+        "prefetch_wasted": _c("prefetches_wasted", "Prefetched experts evicted unused."),
+        "prefetch_failed": _c("prefetches_failed", "Prefetch loads that failed."),
+        "prefetch_dropped": _c("prefetches_dropped", "Prefetches dropped (no free slot or "
+                               "queue depth)."),
+        "prefetch_learned": _c("prefetches_learned", "Prefetches chosen from the predictor's "
+                               "estimates."),
+        "prefetch_bytes": _c("prefetch_read_bytes", "Bytes read by prefetches."),
+        "prefetch_used_bytes": _c("prefetch_used_bytes", "Bytes of prefetched experts asked "
+                                  "for before their eviction."),
+        "prefetch_wasted_bytes": _c("prefetch_wasted_bytes", "Bytes of prefetched experts "
+                                    "evicted unused."),
+        "prefetcher_hints": _c("inline_prefetch_hints", "Hints of the inline next-layer "
+                               "prefetcher."),
+        "resident": _g("resident_experts", "Experts resident in the arena."),
+        "loading": _g("loading_experts", "Experts being loaded."),
+        "pinned": _g("pinned_experts", "Experts pinned by workers."),
+        "prefetch_inflight": _g("prefetches_in_flight", "Prefetch loads in flight."),
+        "prefetch_pending": _g("prefetches_pending", "Prefetches waiting for queue depth."),
+        "n_slots": _g("arena_slots", "Slots of the arena (its size at start)."),
+        "capacity": _g("capacity_experts", "Experts the policy may keep resident (live "
+                       "cache.capacity_experts)."),
+        "workers": _g("workers", "Workers connected to the cache manager."),
+        "engine_direct": _g("io_direct", "1 when the IO engine reads with O_DIRECT (past the "
+                            "page cache)."),
+        "engine_inflight": _g("io_reads_in_flight", "Reads the IO engine has in flight."),
+        "estimate_age_ms": _g("estimate_age_seconds", "Age of the predictor's estimate in "
+                              "use.", 1e-3),
+        "read_p50_us": _g("read_latency_p50_seconds", "Median latency of recent expert "
+                          "reads.", 1e-6),
+        "read_p99_us": _g("read_latency_p99_seconds", "99th percentile latency of recent "
+                          "expert reads.", 1e-6),
+    },
+    "feature_extractor": {
+        "events": _c("events", "Access events received (one per token)."),
+        "batches": _c("feature_batches", "Feature batches published."),
+        "tokens_seen": _g("tokens_seen", "Tokens in the learned tables (warm-up included)."),
+        "variance_kept": _g("pca_variance_kept_ratio", "Share of the features' variance that "
+                            "the online PCA keeps."),
+        "cpu_ms_per_event": _g("cpu_seconds_per_event", "CPU seconds spent per access "
+                               "event.", 1e-3),
+    },
+    "predictor": {
+        "batches": _c("feature_batches", "Feature batches received."),
+        "predictions": _c("predictions", "Predictions published."),
+        "tokens": _c("tokens", "Tokens learned from."),
+        "steps": _c("training_steps", "Training steps taken."),
+        "drifts": _c("drifts", "Drift events detected (each starts an elastic update)."),
+        "recall_at_k": _g("recall_at_k_ratio", "Share of each token's experts that its "
+                          "estimate ranked in the top k."),
+    },
+}
+# The panel's own counters (``Panel.stats_view()["panel"]``).
+PANEL_METRICS: dict[str, Metric] = {
+    "polls": _c("stats_rounds", "Rounds of stats asked of every service."),
+    "tune_applied": _c("changes_applied", "Config changes applied to the services."),
+    "tune_refused": _c("changes_refused", "Config changes refused (409: not live, or a "
+                       "service refused)."),
+    "tune_invalid": _c("changes_invalid", "Config changes refused as invalid (422)."),
+    "reapplied": _c("changes_reapplied", "Config values sent again to a restarted service."),
+    "uptime_s": _g("uptime_seconds", "Seconds since the panel started."),
+}
+# Derived figures (``Rates``), over the last stats interval.
+RATE_METRICS: dict[str, Metric] = {
+    "hit_rate": _g("hit_ratio", "Expert requests resident or already on their way, over the "
+                   "last stats interval."),
+    "stall_free_rate": _g("stall_free_ratio", "Expert requests resident when asked for, "
+                          "over the last stats interval."),
+    "ssd_mb_per_s": _g("ssd_read_bytes_per_second", "Bytes read from the store per second, "
+                       "over the last stats interval.", 1e6),
+    "tokens_per_s": _g("tokens_per_second", "Tokens per second, over the last stats "
+                       "interval."),
+    "learner_cpu_ms_per_token": _g("learner_cpu_seconds_per_token", "CPU seconds the "
+                                   "feature extractor and the predictor spend per token.",
+                                   1e-3),
+    "recall": _g("prediction_recall_ratio", "The predictor's recall at k."),
+}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def metric_samples(service: str, stats: Mapping[str, Any]
+                   ) -> Iterator[tuple[str, Metric, dict[str, str], float]]:
+    """The samples of one service's stats: ``(full name, metric, labels, value)`` in base
+    units, for every stat ``METRICS``, ``COMMON_METRICS`` or ``PREFIX_METRICS`` describe."""
+    table = {**COMMON_METRICS, **METRICS.get(service, {})}
+    for key, value in sorted(stats.items()):
+        number = _number(value)
+        if number is None:
+            continue
+        metric, labels = table.get(key), {}
+        if metric is None:
+            prefix = next((p for p in PREFIX_METRICS if key.startswith(p)), None)
+            if prefix is None or not key[len(prefix):]:
+                continue
+            metric, labels = PREFIX_METRICS[prefix], {PREFIX_METRICS[prefix].label:
+                                                      key[len(prefix):]}
+        if number < 0:  # -1: not known yet; a counter is never below zero
+            continue
+        yield re.sub(r"\W", "_", f"flashmoe_{service}_{metric.name}"), metric, labels, \
+            number * metric.scale

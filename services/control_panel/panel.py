@@ -7,7 +7,9 @@ config changes as ``TuneReq`` messages: first a checking round (nothing changes 
 key is taken by some service and refused by none), then the real one. What it applied is
 kept and sent again to a service that restarted (a new pid) so that a supervisor's restart
 does not undo a tuning. The policies ``cache.policy`` may take are the cache manager's to say
-(``PoliciesReq``): asked once it answers, and kept.
+(``PoliciesReq``): asked once it answers, and kept. Everything it serves is scrubbed of the
+secrets it knows (its own config's, and those of each service's config, asked once per service
+start) and of URL credentials (``core.Redactor``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 from common.bus import ServiceUnavailable, policies, residency, service_config, stats, tune
 from common.config import FlashMoEConfig
 
-from .core import (History, Rates, fixed_refusals, merge_tune_replies, public_fields, redact,
-                   validate_changes)
+from .core import (History, Rates, Redactor, fixed_refusals, merge_tune_replies,
+                   public_fields, redact, secret_values, validate_changes)
 
 log = logging.getLogger("flashmoe.control_panel")
 POLL_S = 1.0
@@ -55,6 +57,7 @@ class Panel:
         self.runtime_dir = runtime_dir
         self.named_services = dict(services or {})
         self.token = token or config.panel.token or new_token()
+        self.redactor = Redactor({*secret_values(config.to_dict()), self.token})
         self.lock = threading.Lock()  # latest, errors, history, overlay
         self.latest: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
@@ -86,13 +89,17 @@ class Panel:
         """One round of stats from every service, a sample of the rates, and the overlay sent
         again to a service that restarted."""
         snapshot, errors = {}, {}
-        for name, endpoint in self.endpoints().items():
+        endpoints = self.endpoints()
+        for name, endpoint in endpoints.items():
             try:
                 snapshot[name] = stats(endpoint, timeout_s=CONTROL_TIMEOUT_S)
             except ServiceUnavailable as exc:
                 errors[name] = str(exc)
         restarted = [name for name, values in snapshot.items()
                      if name in self.pids and values.get("pid") != self.pids[name]]
+        for name, values in snapshot.items():
+            if values.get("pid") != self.pids.get(name):  # a service (re)started: its secrets
+                self._learn_secrets(endpoints[name])
         with self.lock:
             self.latest, self.errors = snapshot, errors
             self.last_sample = self.rates.sample(snapshot, time.time())
@@ -105,6 +112,13 @@ class Panel:
         for name, changes in again.items():
             if changes:
                 self._reapply(name, changes)
+
+    def _learn_secrets(self, endpoint: str) -> None:
+        try:
+            config = service_config(endpoint, timeout_s=CONTROL_TIMEOUT_S)
+        except ServiceUnavailable:
+            return  # the next start of its pid asks again; URLs are scrubbed meanwhile
+        self.redactor.add(secret_values(config))
 
     def _reapply(self, name: str, changes: dict[str, Any]) -> None:
         try:
@@ -157,10 +171,11 @@ class Panel:
 
     def stats_view(self) -> dict[str, Any]:
         with self.lock:
-            return {"time": time.time(), "services": dict(self.latest),
+            view = {"time": time.time(), "services": dict(self.latest),
                     "unavailable": dict(self.errors), "rates": dict(self.last_sample),
                     "tuned": dict(self.overlay),
                     "panel": {**self.counters, "uptime_s": round(time.time() - self.started, 1)}}
+        return self.redactor(view)
 
     def history_view(self) -> dict[str, list]:
         with self.lock:
@@ -181,14 +196,15 @@ class Panel:
                 for key, value in self.overlay.items():
                     section, field = key.split(".", 1)
                     config.setdefault(section, {})[field] = value
-            return redact(config), name
-        return redact(self.config.to_dict()), "panel"
+            self.redactor.add(secret_values(config))
+            return redact(config, self.redactor), name
+        return redact(self.config.to_dict(), self.redactor), "panel"
 
     def config_view(self) -> dict[str, Any]:
         config, source = self.effective_config()
         choices, _ = self.service_choices()
         return {"source": source, "profile": config.get("profile"),
-                "fields": public_fields(config, choices), "tuned": dict(self.overlay)}
+                "fields": public_fields(config, choices), "tuned": self.redactor(self.overlay)}
 
     def residency_view(self) -> dict[str, Any]:
         """Per layer, which experts are resident and how often each was asked for; or why

@@ -3,9 +3,13 @@ services' control sockets (``panel.py``), on the service skeleton (common/servic
 
 The process listens on ``host:port`` (127.0.0.1 unless told otherwise; port 0 = any free
 one), writes ``<runtime_dir>/panel.json`` (its URL and pid) once listening, and removes it at
-exit. uvicorn serves on a thread of its own; SIGTERM/SIGINT flip the service's state and the
-loop ends the server; the parent's death sends SIGTERM. A port that is taken ends the process
-with status ``EXIT_CANNOT_LISTEN``. The panel is a client of the others' control sockets; it
+exit. uvicorn serves on a thread of its own (so it installs no signal handler of its own, and
+never re-raises a signal at its end); SIGTERM/SIGINT, from the process's first line on (while
+the server is still being built too), only ask for a stop: the loop ends the server, the
+clean-up runs and the process exits with status 0. The parent's death sends SIGTERM. A port
+that is taken ends the process with status ``EXIT_CANNOT_LISTEN``. Requests whose Host header
+is not among ``panel.allowed_hosts``, the loopback names and the listening address get 400
+(a web page cannot reach a loopback panel through DNS rebinding). The panel is a client of the others' control sockets; it
 has one of its own only when given a control endpoint (one in the runtime folder would be
 polled as a service).
 """
@@ -14,11 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
 
-from common.config import FlashMoEConfig
+from common.config import FlashMoEConfig, allowed_hosts
 from common.service import Service, ServiceFailed, run_service_process
 
 from .app import make_app
@@ -49,10 +54,12 @@ class PanelService(Service):
 
     def __init__(self, config: FlashMoEConfig, runtime_dir: Path | None, host: str, port: int,
                  services: dict[str, str] | None = None,
-                 control_endpoint: str | None = None) -> None:
+                 control_endpoint: str | None = None,
+                 stop_asked: threading.Event | None = None) -> None:
         import uvicorn
 
         super().__init__(config, control_endpoint)
+        self.stop_asked = stop_asked or threading.Event()  # a signal before the loop ran
         self.panel = Panel(config, runtime_dir, services)
         try:
             self.listening = listen(host, port)
@@ -75,7 +82,8 @@ class PanelService(Service):
             self.info.chmod(0o600)
         # uvicorn on a thread installs no signal handlers: SIGTERM reaches the skeleton, whose
         # loop ends the server.
-        self.server = uvicorn.Server(uvicorn.Config(make_app(self.panel), log_level="warning",
+        app = make_app(self.panel, allowed_hosts(config.panel.allowed_hosts, host))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                     access_log=False, lifespan="off"))
         self.http = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listening]},
                                      name="panel-http", daemon=True)
@@ -84,6 +92,9 @@ class PanelService(Service):
         return f"control panel on {self.url}"
 
     def serve(self) -> None:
+        if self.stop_asked.is_set():
+            self.request_stop()
+            return
         self.panel.start()
         self.http.start()
         super().serve()
@@ -109,7 +120,11 @@ def run_panel_process(config: FlashMoEConfig, runtime_dir: Path | None, host: st
                       port: int, services: dict[str, str] | None = None,
                       control_endpoint: str | None = None) -> int:
     """Process entry: listen, announce the URL and token, serve until SIGTERM/SIGINT
-    (``control_endpoint``: answer health and stats there)."""
+    (``control_endpoint``: answer health and stats there). A signal that comes while the
+    server is being built is kept, and the service stops as soon as it is built."""
+    stop_asked = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_asked.set())
     return run_service_process(lambda: PanelService(config, runtime_dir, host, port, services,
-                                                    control_endpoint),
+                                                    control_endpoint, stop_asked),
                                PanelService.name)

@@ -6,25 +6,37 @@ JSON, or server-sent events ending with ``data: [DONE]`` when ``stream`` is true
 engine's and the cache's figures) and ``GET /metrics`` (Prometheus). The handlers never run
 the model: a request goes into the engine's bounded queue and its text comes back through an
 asyncio queue, fed from the model loop's thread. A client that disconnects cancels its
-request. Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
+request. Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, all
+of them (an unknown route, a wrong method and a refused Host too). A request whose Host header
+is not allowed (``ServingState.allowed_hosts``: the loopback names, the listening address and
+``serve.allowed_hosts``) gets 400 ``host_not_allowed`` before any route (DNS rebinding). A
+request that fails because experts could not be loaded gets 502 ``expert_load_failed`` (the
+layer, the experts and why); one that loses the cache manager gets 503 ``cache_restarted``.
+The schema (``app.openapi()``, not served) describes the request bodies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.config import LOOPBACK_HOSTS, host_name
 
 from .engine import QueueFull, Request as EngineRequest, RequestError, SamplingParams
 
 DISCONNECT_CHECK_S = 0.5
 DEFAULT_MAX_TOKENS = 16
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch generator takes
 
 
 class APIError(Exception):
@@ -33,10 +45,61 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type_, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.type,
-                                       "param": self.param, "code": self.code}},
-                            status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class HostCheck:
+    """ASGI middleware: 400 ``host_not_allowed`` for a request whose Host header names a host
+    not in ``allowed`` (None: any). Plain ASGI, so that streamed answers and disconnects pass
+    through untouched."""
+
+    def __init__(self, app, allowed: frozenset[str] | None) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.allowed is not None:
+            given = dict(scope["headers"]).get(b"host")
+            if given is not None and \
+                    host_name(given.decode("latin-1")) not in self.allowed:
+                error = APIError(400, f"Host {given.decode('latin-1')!r} is not allowed: this "
+                                      f"server answers {', '.join(sorted(self.allowed))} (add "
+                                      f"the name to serve.allowed_hosts)",
+                                 code="host_not_allowed")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# The request bodies, for the schema (the handlers parse and check them themselves, with
+# OpenAI's error shape).
+_SAMPLING = {
+    "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number"},
+    "top_k": {"type": "integer"}, "seed": {"type": "integer"}, "n": {"type": "integer"},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "stream": {"type": "boolean"}, "ignore_eos": {"type": "boolean"},
+    "stream_options": {"type": "object",
+                       "properties": {"include_usage": {"type": "boolean"}}}}
+COMPLETION_SCHEMA = {"type": "object", "required": ["prompt"], "properties": {
+    **_SAMPLING, "prompt": {"anyOf": [{"type": "string"},
+                                      {"type": "array", "items": {"type": "integer"}}]},
+    "echo": {"type": "boolean"}, "suffix": {"type": "string"},
+    "logprobs": {"type": "integer"}}}
+CHAT_SCHEMA = {"type": "object", "required": ["messages"], "properties": {
+    **_SAMPLING, "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}}}
+
+
+def _body_schema(schema: dict) -> dict:
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
 
 
 @dataclass
@@ -51,6 +114,9 @@ class ServingState:
     predictor_stats: Callable[[], dict] = dict
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: object = None  # a RequestMetrics
+    # Host names answered (common.config.allowed_hosts(serve.allowed_hosts, serve.host));
+    # None: any
+    allowed_hosts: frozenset[str] | None = frozenset(LOOPBACK_HOSTS)
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -86,10 +152,14 @@ def _number(body: dict, key: str, kind, default):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (kind is int and not float(value).is_integer()):
+            (isinstance(value, float) and not (math.isfinite(value) and
+                                               (kind is float or value.is_integer()))):
         raise APIError(400, f"{key} must be {'an integer' if kind is int else 'a number'}",
                        param=key)
-    return kind(value)
+    try:
+        return kind(value)
+    except OverflowError:  # an integer too large for a float
+        raise APIError(400, f"{key} is out of range", param=key) from None
 
 
 def sampling_params(body: dict, max_tokens_key: str = "max_tokens") -> SamplingParams:
@@ -110,6 +180,9 @@ def sampling_params(body: dict, max_tokens_key: str = "max_tokens") -> SamplingP
         ignore_eos=bool(body.get("ignore_eos", False)))
     if params.top_k < 0:  # -1 means all, as in vLLM
         params.top_k = 0 if params.top_k == -1 else params.top_k
+    if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
+        raise APIError(400, f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+                       param="seed")
     try:
         params.check()
     except RequestError as exc:
@@ -119,6 +192,7 @@ def sampling_params(body: dict, max_tokens_key: str = "max_tokens") -> SamplingP
 
 def make_app(state: ServingState) -> FastAPI:
     app = FastAPI(title="FlashMoE", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HostCheck, allowed=state.allowed_hosts)
 
     def check_key(request: Request) -> None:
         if state.api_key:
@@ -139,6 +213,8 @@ def make_app(state: ServingState) -> FastAPI:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             raise APIError(400, "the request body is not JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -150,6 +226,17 @@ def make_app(state: ServingState) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        error = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(error.body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError):
+        return APIError(400, f"the request is not valid: {exc.errors()!r:.500}").response()
 
     @app.get("/health")
     async def health():
@@ -167,7 +254,7 @@ def make_app(state: ServingState) -> FastAPI:
             "owned_by": "flashmoe",
             "max_model_len": engine.context_length if engine is not None else None}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(COMPLETION_SCHEMA))
     async def completions(request: Request):
         check_key(request)
         body = await body_of(request)
@@ -193,7 +280,7 @@ def make_app(state: ServingState) -> FastAPI:
                            "suffix" if body.get("suffix") else "logprobs")
         return await generate(request, body, engine, ids, sampling_params(body), chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(CHAT_SCHEMA))
     async def chat_completions(request: Request):
         check_key(request)
         body = await body_of(request)
@@ -305,10 +392,15 @@ def make_app(state: ServingState) -> FastAPI:
 
 
 def failure(error: BaseException) -> APIError:
-    """A generation that failed: 503 when the cache manager went away (it is restarted and
-    the next request reconnects), else 500."""
-    from common.cache_client import CacheManagerUnavailable
+    """A generation that failed: 502 when experts could not be loaded (a bad block, an IO
+    error: the request fails, the server goes on), 503 when the cache manager went away (it
+    is restarted and the next request reconnects), else 500."""
+    from common.cache_client import CacheManagerUnavailable, ExpertLoadError
 
+    if isinstance(error, ExpertLoadError):
+        experts = ", ".join(map(str, error.experts))
+        return APIError(502, f"experts {experts} of layer {error.layer} could not be loaded: "
+                             f"{error}", type_="server_error", code="expert_load_failed")
     if isinstance(error, CacheManagerUnavailable):
         return APIError(503, f"the expert cache restarted during this request: {error}; "
                              f"try again", type_="server_error", code="cache_restarted")

@@ -155,8 +155,8 @@ def test_metrics_are_prometheus_text(live):
     assert req.headers["content-type"].startswith("text/plain")
     text = req.read().decode()
     assert 'flashmoe_up{service="cache_manager"} 1.0' in text
-    assert re.search(r"^flashmoe_cache_manager_n_hit \d", text, re.MULTILINE)
-    assert re.search(r"^flashmoe_hit_rate [0-9.]+", text, re.MULTILINE)
+    assert re.search(r"^flashmoe_cache_manager_hits_total \d", text, re.MULTILINE)
+    assert re.search(r"^flashmoe_hit_ratio [0-9.]+", text, re.MULTILINE)
 
 
 def test_config_has_every_field_with_its_range_and_no_token(live):
