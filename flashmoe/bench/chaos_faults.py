@@ -1,0 +1,205 @@
+"""The faults of `flashmoe chaos`, one ``Fault`` each, in ``FAULTS`` (the matrix's row order).
+
+A fault may put variables in the target's environment from its start (``env``), add settings
+(``settings``), act at a random moment under load (``inject``, which may block for as long as
+the fault lasts and returns the moment the fault began), prove that it took effect
+(``took_effect``: a fault the target did not feel is a failed run, not a passed one) and add a
+recovery condition of its own (``recovered``).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from flashmoe.bench.chaos_procs import SHM_DIR, ThrottledReads
+
+if TYPE_CHECKING:
+    from flashmoe.bench.chaos_run import ChaosRun
+
+EIO_EVERY = 10  # FMIO_FAULT=eio:N: every N-th read fails with EIO
+FREEZE_PAST_HEARTBEAT_S = 2.0  # a frozen worker stays stopped this long past the timeout
+REDIS_DOWN_S = 3.0
+SLOW_READ_TIMES = 4  # a throttled read of one expert lasts this many read timeouts
+CHECKPOINT_EVERY_S = 1.0  # predictor.checkpoint_every_s of the enospc-checkpoint row
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    help: str
+    inject: Callable[["ChaosRun"], float] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    settings: tuple[str, ...] = ()
+    took_effect: Callable[["ChaosRun"], str | None] = lambda run: None
+    recovered: Callable[["ChaosRun"], bool] = lambda run: True
+    api_down_expected: bool = False  # serve's API process itself is the victim
+    needs_redis: bool = False
+
+
+def kill(role: str) -> Callable[["ChaosRun"], float]:
+    def inject(run: "ChaosRun") -> float:
+        victim = run.tree.service(role)
+        if victim is None:
+            raise RuntimeError(f"no {role} process to kill")
+        run.victim = victim
+        run.tree.signal(victim, signal.SIGKILL)
+        return time.monotonic()
+    return inject
+
+
+def killed_and_replaced(run: "ChaosRun") -> str | None:
+    role = run.victim.role
+    now = run.tree.service(role)
+    if now is None or now.pid == run.victim.pid:
+        return f"the killed {role} (pid {run.victim.pid}) was not replaced"
+    return None
+
+
+def corrupt_block(run: "ChaosRun") -> float:
+    """Flip bytes of the focus expert's first block in the target's copy of the store."""
+    import os
+
+    from common.store import block_location
+
+    store = run.truth.store
+    layer, expert = run.verifier.focus
+    e, m = store.expert(layer, expert), store.manifest
+    stripe, offset = block_location(e.first_block, m.block_size, m.parallelism)
+    path = run.store_copy / store.stripe_paths[stripe].name
+    fd = os.open(path, os.O_RDWR)
+    try:
+        at = offset + min(64, e.nbytes // 2)
+        data = bytes(b ^ 0xFF for b in os.pread(fd, 16, at))
+        os.pwrite(fd, data, at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    run.note(f"flipped 16 bytes of layer {layer} expert {expert} (stripe {stripe}, offset {at})")
+    return time.monotonic()
+
+
+def load_errors_seen(run: "ChaosRun") -> str | None:
+    if not any(n.startswith("ExpertLoadError") for n in run.verifier.out.notes):
+        return "the verifier never got an ExpertLoadError: the fault did not reach a load"
+    return None
+
+
+def remove_arena(run: "ChaosRun") -> float:
+    manager = run.tree.service("cache_manager")
+    arenas = [p for p in SHM_DIR.glob(f"flashmoe-{manager.pid}-*")] if manager else []
+    if not arenas:
+        raise RuntimeError("the cache manager's arena is not in /dev/shm")
+    run.victim = manager
+    for path in arenas:
+        path.unlink()
+    run.note(f"removed {', '.join(p.name for p in arenas)}")
+    return time.monotonic()
+
+
+def slow_reads(run: "ChaosRun") -> float:
+    """Move the cache manager into a blkio cgroup whose reads of the store's disk are so slow
+    that one expert's read outlasts ``io.read_timeout_s`` several times; its restarted
+    successor (a child of the supervisor, outside the group) reads at full speed."""
+    manager = run.tree.service("cache_manager")
+    if manager is None:
+        raise RuntimeError("no cache manager to slow down")
+    e = max(run.truth.store.manifest.experts, key=lambda x: x.nbytes)
+    bps = max(512, int(e.nbytes / (SLOW_READ_TIMES * run.read_timeout_s)))
+    run.throttle = ThrottledReads(run.store_copy / run.truth.store.stripe_paths[0].name, bps)
+    run.throttle.add(manager.pid)
+    run.victim = manager
+    run.note(f"cache manager {manager.pid} reads at {bps} B/s")
+    return time.monotonic()
+
+
+def manager_replaced(run: "ChaosRun") -> str | None:
+    now = run.tree.service("cache_manager")
+    if now is not None and now.pid == run.victim.pid:
+        return "the slowed cache manager did not exit (io.read_timeout_s not enforced?)"
+    return None
+
+
+def freeze_worker(run: "ChaosRun") -> float:
+    worker = run.tree.service("worker")
+    if worker is None:
+        raise RuntimeError("no worker to freeze")
+    run.victim = worker
+    run.tree.signal(worker, signal.SIGSTOP)
+    began = time.monotonic()
+    time.sleep(run.heartbeat_timeout_s + FREEZE_PAST_HEARTBEAT_S)
+    run.tree.signal(worker, signal.SIGCONT)
+    return began
+
+
+def restart_redis(run: "ChaosRun") -> float:
+    began = time.monotonic()
+    run.redis.stop()
+    deadline = began + REDIS_DOWN_S
+    while time.monotonic() < deadline:
+        run.sample_cluster(outage=True)
+        time.sleep(0.25)
+    run.redis.start()
+    run.redis_back = time.monotonic()
+    return began
+
+
+def redis_outage_seen(run: "ChaosRun") -> str | None:
+    if not run.cluster_outage_seen:
+        return "no service reported losing Redis while it was down"
+    return None
+
+
+def cluster_connected_again(run: "ChaosRun") -> bool:
+    return run.cluster_connected_since(run.redis_back)
+
+
+def no_checkpoint_written(run: "ChaosRun") -> str | None:
+    written = [p for folder in run.checkpoint_dirs() for p in folder.glob("*.safetensors")]
+    if written:
+        return (f"a checkpoint was written ({written[0]}): FLASHMOE_CHECKPOINT_FAULT=enospc "
+                f"was not honoured")
+    return None
+
+
+def wait_checkpoints(run: "ChaosRun") -> float:
+    """The fault is on from the start: let a few checkpoint periods pass under load."""
+    time.sleep(3 * CHECKPOINT_EVERY_S)
+    return time.monotonic()
+
+
+def under_load(run: "ChaosRun") -> float:
+    return time.monotonic()
+
+
+FAULTS = (
+    Fault("kill-cache_manager", "kill -9 the cache manager", kill("cache_manager"),
+          took_effect=killed_and_replaced),
+    Fault("kill-feature_extractor", "kill -9 the feature extractor", kill("feature_extractor"),
+          took_effect=killed_and_replaced),
+    Fault("kill-predictor", "kill -9 the predictor", kill("predictor"),
+          took_effect=killed_and_replaced),
+    Fault("kill-panel", "kill -9 the control panel", kill("panel"),
+          took_effect=killed_and_replaced),
+    Fault("kill-worker", "kill -9 the worker (run: the trace worker; serve: the API worker)",
+          kill("worker"), took_effect=killed_and_replaced, api_down_expected=True),
+    Fault("corrupt-block", "flip bytes of one expert's block in the target's store copy",
+          corrupt_block, took_effect=load_errors_seen),
+    Fault("eio", f"every {EIO_EVERY}th read fails with EIO (FMIO_FAULT=eio:{EIO_EVERY})",
+          under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=load_errors_seen),
+    Fault("slow-read", "the cache manager's reads throttled (blkio cgroup) past "
+                       "io.read_timeout_s", slow_reads, took_effect=manager_replaced),
+    Fault("enospc-checkpoint", "every checkpoint write fails with ENOSPC "
+                               "(FLASHMOE_CHECKPOINT_FAULT=enospc)", wait_checkpoints,
+          env={"FLASHMOE_CHECKPOINT_FAULT": "enospc"}, settings=(f"predictor.checkpoint_every_s={CHECKPOINT_EVERY_S:g}",),
+          took_effect=no_checkpoint_written),
+    Fault("arena-removed", "remove the cache manager's arena file from /dev/shm", remove_arena),
+    Fault("redis-restart", "restart the cluster's redis-server", restart_redis,
+          settings=("cluster.backoff_max_s=1", "cluster.publish_every_s=1", "cluster.timeout_s=0.5"),
+          took_effect=redis_outage_seen, recovered=cluster_connected_again, needs_redis=True),
+    Fault("frozen-worker", "SIGSTOP the worker past the heartbeat timeout, then SIGCONT",
+          freeze_worker),
+)
+FAULT_NAMES = tuple(f.name for f in FAULTS)
