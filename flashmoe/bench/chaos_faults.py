@@ -4,7 +4,9 @@ A fault may put variables in the target's environment from its start (``env``), 
 (``settings``), act at a random moment under load (``inject``, which may block for as long as
 the fault lasts and returns the moment the fault began), prove that it took effect
 (``took_effect``: a fault the target did not feel is a failed run, not a passed one) and add a
-recovery condition of its own (``recovered``).
+recovery condition of its own (``recovered``). Only the processes a fault ends (``replaces``)
+may be restarted: any other service that exits meanwhile fails the run (a bad block must cost
+a request, a lost peer a reconnection, not a process).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Fault:
     settings: tuple[str, ...] = ()
     took_effect: Callable[["ChaosRun"], str | None] = lambda run: None
     recovered: Callable[["ChaosRun"], bool] = lambda run: True
+    replaces: tuple[str, ...] = ()  # roles the fault ends (every other one must live on)
     api_down_expected: bool = False  # serve's API process itself is the victim
     needs_redis: bool = False
 
@@ -77,7 +80,7 @@ def corrupt_block(run: "ChaosRun") -> float:
         os.fsync(fd)
     finally:
         os.close(fd)
-    run.note(f"flipped 16 bytes of layer {layer} expert {expert} (stripe {stripe}, offset {at})")
+    run.event(f"flipped 16 bytes of layer {layer} expert {expert} (stripe {stripe}, offset {at})")
     return time.monotonic()
 
 
@@ -95,7 +98,7 @@ def remove_arena(run: "ChaosRun") -> float:
     run.victim = manager
     for path in arenas:
         path.unlink()
-    run.note(f"removed {', '.join(p.name for p in arenas)}")
+    run.event(f"removed {', '.join(p.name for p in arenas)}")
     return time.monotonic()
 
 
@@ -111,7 +114,7 @@ def slow_reads(run: "ChaosRun") -> float:
     run.throttle = ThrottledReads(run.store_copy / run.truth.store.stripe_paths[0].name, bps)
     run.throttle.add(manager.pid)
     run.victim = manager
-    run.note(f"cache manager {manager.pid} reads at {bps} B/s")
+    run.event(f"cache manager {manager.pid} reads at {bps} B/s")
     return time.monotonic()
 
 
@@ -176,26 +179,28 @@ def under_load(run: "ChaosRun") -> float:
 
 FAULTS = (
     Fault("kill-cache_manager", "kill -9 the cache manager", kill("cache_manager"),
-          took_effect=killed_and_replaced),
+          took_effect=killed_and_replaced, replaces=("cache_manager",)),
     Fault("kill-feature_extractor", "kill -9 the feature extractor", kill("feature_extractor"),
-          took_effect=killed_and_replaced),
+          took_effect=killed_and_replaced, replaces=("feature_extractor",)),
     Fault("kill-predictor", "kill -9 the predictor", kill("predictor"),
-          took_effect=killed_and_replaced),
+          took_effect=killed_and_replaced, replaces=("predictor",)),
     Fault("kill-panel", "kill -9 the control panel", kill("panel"),
-          took_effect=killed_and_replaced),
+          took_effect=killed_and_replaced, replaces=("panel",)),
     Fault("kill-worker", "kill -9 the worker (run: the trace worker; serve: the API worker)",
-          kill("worker"), took_effect=killed_and_replaced, api_down_expected=True),
+          kill("worker"), took_effect=killed_and_replaced, replaces=("worker",), api_down_expected=True),
     Fault("corrupt-block", "flip bytes of one expert's block in the target's store copy",
           corrupt_block, took_effect=load_errors_seen),
     Fault("eio", f"every {EIO_EVERY}th read fails with EIO (FMIO_FAULT=eio:{EIO_EVERY})",
           under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=load_errors_seen),
     Fault("slow-read", "the cache manager's reads throttled (blkio cgroup) past "
-                       "io.read_timeout_s", slow_reads, took_effect=manager_replaced),
+                       "io.read_timeout_s", slow_reads, took_effect=manager_replaced,
+          replaces=("cache_manager",)),
     Fault("enospc-checkpoint", "every checkpoint write fails with ENOSPC "
                                "(FLASHMOE_CHECKPOINT_FAULT=enospc)", wait_checkpoints,
           env={"FLASHMOE_CHECKPOINT_FAULT": "enospc"}, settings=(f"predictor.checkpoint_every_s={CHECKPOINT_EVERY_S:g}",),
           took_effect=no_checkpoint_written),
-    Fault("arena-removed", "remove the cache manager's arena file from /dev/shm", remove_arena),
+    Fault("arena-removed", "remove the cache manager's arena file from /dev/shm", remove_arena,
+          replaces=("cache_manager",)),
     Fault("redis-restart", "restart the cluster's redis-server", restart_redis,
           settings=("cluster.backoff_max_s=1", "cluster.publish_every_s=1", "cluster.timeout_s=0.5"),
           took_effect=redis_outage_seen, recovered=cluster_connected_again, needs_redis=True),

@@ -40,8 +40,8 @@ READ_TIMEOUT_S = 2.0  # io.read_timeout_s of every target
 HEARTBEAT_TIMEOUT_S = 2.0  # ipc.heartbeat_timeout_s of every target
 START_TIMEOUT_S = 180.0
 WARM_TIMEOUT_S = 60.0
-RECOVER_TIMEOUT_S = 60.0  # longer without recovery, with the target alive: a hang
-OBSERVE_S = 3.0  # under load after recovery, before the stop
+RECOVER_TIMEOUT_S = 45.0  # longer without recovery, with the target alive: a hang
+OBSERVE_S = 5.0  # under load after recovery, before the stop
 STOP_TIMEOUT_S = 40.0  # longer to exit after SIGTERM: a hang
 FAULT_AFTER_S = (0.5, 3.0)  # the fault comes this long (uniform) after the target is warm
 FD_SAMPLES = 5
@@ -74,7 +74,8 @@ class RunResult:
     recover_s: float | None = None
     wall_s: float = 0.0
     probes: dict[str, dict[str, int]] = field(default_factory=dict)  # outcomes by probe
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # why it failed
+    events: list[str] = field(default_factory=list)  # what the fault did
 
 
 class ChaosRun:
@@ -100,7 +101,12 @@ class ChaosRun:
         self.redis_back = 0.0
 
     def note(self, text: str) -> None:
+        """Why the run failed (one of the reasons)."""
         self.result.notes.append(text)
+
+    def event(self, text: str) -> None:
+        """What the fault did."""
+        self.result.events.append(text)
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -113,12 +119,14 @@ class ChaosRun:
             if self.wait(self.ready, START_TIMEOUT_S, "ready") and self.warm():
                 fds_before = self.fd_counts()
                 time.sleep(self.rng.uniform(*FAULT_AFTER_S))
+                before = self.pids()
                 t0 = self.fault.inject(self)
                 self.verifier.reconnect()
                 if self.wait(lambda: self.healthy_since(t0), RECOVER_TIMEOUT_S, "recovered"):
                     r.recover_s = round(time.monotonic() - t0, 3)
                     time.sleep(OBSERVE_S)
                     self.count_fds(fds_before, self.fd_counts())
+                    self.check_survivors(before)
                     effect = self.fault.took_effect(self)
                     if effect:
                         self.note(f"fault not in effect: {effect}")
@@ -138,7 +146,7 @@ class ChaosRun:
         if untyped:
             self.note(f"requests without an answer or a typed error: {untyped}")
         r.recovered = (r.recover_s is not None and rc == 0 and not exited_early and not untyped
-                       and not any(n.startswith(("fault not in effect", "chaos error"))
+                       and not any(n.startswith(("fault not", "chaos error", "not "))
                                    for n in r.notes))
         r.wall_s = round(time.monotonic() - started, 1)
         return r
@@ -292,6 +300,16 @@ class ChaosRun:
         if self.load is not None:
             parts.append(f"client {self.load.out.counts} {self.load.out.notes[:2]}")
         return "; ".join(parts) or "-"
+
+    def pids(self) -> dict[str, int]:
+        return {role: s.pid for role in ROLES if (s := self.tree.service(role)) is not None}
+
+    def check_survivors(self, before: dict[str, int]) -> None:
+        after = self.pids()
+        for role, pid in before.items():
+            if role not in self.fault.replaces and after.get(role) != pid:
+                self.note(f"fault not contained: the {role} exited (pid {pid} -> "
+                          f"{after.get(role)}; see its log)")
 
     # --- measures ---------------------------------------------------------------------------
 
