@@ -14,7 +14,9 @@ The phases, each bounded:
 5. a few more seconds under load, then the target gets SIGTERM and must exit 0;
 6. leaks: processes of its tree still alive, socket files left in its folder, arenas in
    /dev/shm named after one of its processes, the fds the cache manager and the worker hold
-   beyond what they held before the fault, and a runtime folder left after a clean exit.
+   after recovery beyond what they held before the fault (when the fault did not replace
+   them; the least of a few samples each time), and a runtime folder left after a clean
+   exit.
 """
 
 from __future__ import annotations
@@ -329,7 +331,9 @@ class ChaosRun:
         return out
 
     def count_fds(self, before: dict, after: dict) -> None:
-        grown = {role: after[role][1] - before[role][1] for role in before if role in after}
+        # A process the fault replaced is another process: only a survivor's growth is a leak.
+        grown = {role: after[role][1] - before[role][1] for role in before
+                 if role in after and after[role][0] == before[role][0]}
         grown = {role: n for role, n in grown.items() if n > 0}
         if grown:
             self.result.leaks["fds"] = sum(grown.values())
