@@ -177,7 +177,8 @@ def run(args) -> int:
                           f"{result.recover_s} s, hangs {result.hangs}, wrong bytes "
                           f"{result.wrong_bytes}, leaks {result.leaks or 0}; {result.probes}; "
                           f"{result.wall_s} s"
-                          + "".join(f"\n[chaos]   {n}" for n in result.events + result.notes), flush=True)
+                          + "".join(f"\n[chaos]   {n}" for n in result.events + result.notes),
+                          flush=True)
                     if args.keep:
                         keep_logs(folder, Path(args.keep) / f"{target}-{fault.name}-{i}")
                     shutil.rmtree(folder, ignore_errors=True)

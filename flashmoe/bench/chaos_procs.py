@@ -10,6 +10,7 @@ command line (``python -m flashmoe serve-cache ...``, see ``ROLES``).
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
@@ -62,11 +63,22 @@ def proc_argv(pid: int) -> list[str]:
         return []
 
 
-def fd_count(pid: int) -> int | None:
+def fd_kinds(pid: int) -> collections.Counter | None:
+    """A process's open fds by kind (``socket``, ``pipe``, ``anon_inode:[eventfd]``, a file's
+    folder); None when it is gone."""
+    kinds: collections.Counter = collections.Counter()
     try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kinds[target.split(":[")[0] if target.startswith(("socket:", "pipe:")) else
+              target if target.startswith("anon_inode:") else str(Path(target).parent)] += 1
+    return kinds
 
 
 class ProcessTree:

@@ -21,6 +21,7 @@ The phases, each bounded:
 
 from __future__ import annotations
 
+import collections
 import random
 import shutil
 import signal
@@ -34,7 +35,7 @@ from common.bus import ServiceUnavailable, control_endpoint_for, health, ipc_end
 from common.config import load_config
 from flashmoe.bench.chaos_faults import Fault
 from flashmoe.bench.chaos_probes import ServeLoad, TrueBytes, Verifier
-from flashmoe.bench.chaos_procs import (ProcessTree, RedisServer, arena_pids, fd_count,
+from flashmoe.bench.chaos_procs import (ProcessTree, RedisServer, arena_pids, fd_kinds,
                                         free_port, proc_stat, sockets_under)
 from flashmoe.runtime.launch import child_env, cli_command
 
@@ -297,8 +298,9 @@ class ChaosRun:
         if self.missing_roles():
             parts.append(f"missing or stopped: {', '.join(self.missing_roles())}")
         if self.verifier is not None:
-            parts.append(f"verifier {self.verifier.out.counts} {self.verifier.out.notes[:2]}"
-                         f"{' connect: ' + self.verifier.connect_errors[-1] if self.verifier.connect_errors else ''}")
+            v = self.verifier
+            parts.append(f"verifier {v.out.counts} {v.out.notes[:2]}" +
+                         (f" connect: {v.connect_errors[-1]}" if v.connect_errors else ""))
         if self.load is not None:
             parts.append(f"client {self.load.out.counts} {self.load.out.notes[:2]}")
         return "; ".join(parts) or "-"
@@ -315,29 +317,32 @@ class ChaosRun:
 
     # --- measures ---------------------------------------------------------------------------
 
-    def fd_counts(self) -> dict[str, tuple[int, int]]:
-        """(pid, least fds over a few samples) of the cache manager and the worker."""
+    def fd_counts(self) -> dict[str, tuple[int, collections.Counter]]:
+        """(pid, its fds by kind at the sample with the fewest) of the cache manager and the
+        worker, over a few samples."""
         out = {}
         for role in ("cache_manager", "worker"):
             s = self.tree.service(role)
-            counts = []
+            samples = []
             for _ in range(FD_SAMPLES):
-                n = fd_count(s.pid) if s is not None else None
-                if n is not None:
-                    counts.append(n)
+                kinds = fd_kinds(s.pid) if s is not None else None
+                if kinds is not None:
+                    samples.append(kinds)
                 time.sleep(0.1)
-            if counts:
-                out[role] = (s.pid, min(counts))
+            if samples:
+                out[role] = (s.pid, min(samples, key=lambda k: k.total()))
         return out
 
     def count_fds(self, before: dict, after: dict) -> None:
         # A process the fault replaced is another process: only a survivor's growth is a leak.
-        grown = {role: after[role][1] - before[role][1] for role in before
+        grown = {role: after[role][1].total() - before[role][1].total() for role in before
                  if role in after and after[role][0] == before[role][0]}
         grown = {role: n for role, n in grown.items() if n > 0}
         if grown:
             self.result.leaks["fds"] = sum(grown.values())
-            self.result.leak_examples.append(f"fds grown: {grown}")
+            for role in grown:
+                self.result.leak_examples.append(
+                    f"{role} fds grown by {grown[role]}: {dict(after[role][1] - before[role][1])}")
 
     def untyped(self) -> dict[str, int]:
         out = {}
