@@ -4,9 +4,10 @@ A fault may put variables in the target's environment from its start (``env``), 
 (``settings``), act at a random moment under load (``inject``, which may block for as long as
 the fault lasts and returns the moment the fault began), prove that it took effect
 (``took_effect``: a fault the target did not feel is a failed run, not a passed one) and add a
-recovery condition of its own (``recovered``). Only the processes a fault ends (``replaces``)
-may be restarted: any other service that exits meanwhile fails the run (a bad block must cost
-a request, a lost peer a reconnection, not a process).
+recovery condition of its own (``recovered``); each is called with the run
+(``chaos_run.ChaosRun``, which imports this module, not the other way round). Only the
+processes a fault ends (``replaces``) may be restarted: any other service that exits meanwhile
+fails the run (a bad block must cost a request, a lost peer a reconnection, not a process).
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from flashmoe.bench.chaos_procs import SHM_DIR, ThrottledReads
-
-if TYPE_CHECKING:
-    from flashmoe.bench.chaos_run import ChaosRun
 
 EIO_EVERY = 10  # FMIO_FAULT=eio:N: every N-th read fails with EIO
 FREEZE_PAST_HEARTBEAT_S = 2.0  # a frozen worker stays stopped this long past the timeout
@@ -32,18 +30,18 @@ CHECKPOINT_EVERY_S = 1.0  # predictor.checkpoint_every_s of the enospc-checkpoin
 class Fault:
     name: str
     help: str
-    inject: Callable[["ChaosRun"], float] | None = None
+    inject: Callable[..., float] | None = None
     env: dict[str, str] = field(default_factory=dict)
     settings: tuple[str, ...] = ()
-    took_effect: Callable[["ChaosRun"], str | None] = lambda run: None
-    recovered: Callable[["ChaosRun"], bool] = lambda run: True
+    took_effect: Callable[..., str | None] = lambda run: None
+    recovered: Callable[..., bool] = lambda run: True
     replaces: tuple[str, ...] = ()  # roles the fault ends (every other one must live on)
     api_down_expected: bool = False  # serve's API process itself is the victim
     needs_redis: bool = False
 
 
-def kill(role: str) -> Callable[["ChaosRun"], float]:
-    def inject(run: "ChaosRun") -> float:
+def kill(role: str) -> Callable[..., float]:
+    def inject(run) -> float:
         victim = run.tree.service(role)
         if victim is None:
             raise RuntimeError(f"no {role} process to kill")
@@ -53,7 +51,7 @@ def kill(role: str) -> Callable[["ChaosRun"], float]:
     return inject
 
 
-def killed_and_replaced(run: "ChaosRun") -> str | None:
+def killed_and_replaced(run) -> str | None:
     role = run.victim.role
     now = run.tree.service(role)
     if now is None or now.pid == run.victim.pid:
@@ -61,7 +59,7 @@ def killed_and_replaced(run: "ChaosRun") -> str | None:
     return None
 
 
-def corrupt_block(run: "ChaosRun") -> float:
+def corrupt_block(run) -> float:
     """Flip bytes of the focus expert's first block in the target's copy of the store."""
     import os
 
@@ -84,13 +82,13 @@ def corrupt_block(run: "ChaosRun") -> float:
     return time.monotonic()
 
 
-def load_errors_seen(run: "ChaosRun") -> str | None:
+def load_errors_seen(run) -> str | None:
     if not any(n.startswith("ExpertLoadError") for n in run.verifier.out.notes):
         return "the verifier never got an ExpertLoadError: the fault did not reach a load"
     return None
 
 
-def remove_arena(run: "ChaosRun") -> float:
+def remove_arena(run) -> float:
     manager = run.tree.service("cache_manager")
     arenas = [p for p in SHM_DIR.glob(f"flashmoe-{manager.pid}-*")] if manager else []
     if not arenas:
@@ -102,7 +100,7 @@ def remove_arena(run: "ChaosRun") -> float:
     return time.monotonic()
 
 
-def slow_reads(run: "ChaosRun") -> float:
+def slow_reads(run) -> float:
     """Move the cache manager into a blkio cgroup whose reads of the store's disk are so slow
     that one expert's read outlasts ``io.read_timeout_s`` several times; its restarted
     successor (a child of the supervisor, outside the group) reads at full speed."""
@@ -118,14 +116,14 @@ def slow_reads(run: "ChaosRun") -> float:
     return time.monotonic()
 
 
-def manager_replaced(run: "ChaosRun") -> str | None:
+def manager_replaced(run) -> str | None:
     now = run.tree.service("cache_manager")
     if now is not None and now.pid == run.victim.pid:
         return "the slowed cache manager did not exit (io.read_timeout_s not enforced?)"
     return None
 
 
-def freeze_worker(run: "ChaosRun") -> float:
+def freeze_worker(run) -> float:
     worker = run.tree.service("worker")
     if worker is None:
         raise RuntimeError("no worker to freeze")
@@ -137,7 +135,7 @@ def freeze_worker(run: "ChaosRun") -> float:
     return began
 
 
-def restart_redis(run: "ChaosRun") -> float:
+def restart_redis(run) -> float:
     began = time.monotonic()
     run.redis.stop()
     deadline = began + REDIS_DOWN_S
@@ -149,17 +147,17 @@ def restart_redis(run: "ChaosRun") -> float:
     return began
 
 
-def redis_outage_seen(run: "ChaosRun") -> str | None:
+def redis_outage_seen(run) -> str | None:
     if not run.cluster_outage_seen:
         return "no service reported losing Redis while it was down"
     return None
 
 
-def cluster_connected_again(run: "ChaosRun") -> bool:
+def cluster_connected_again(run) -> bool:
     return run.cluster_connected_since(run.redis_back)
 
 
-def no_checkpoint_written(run: "ChaosRun") -> str | None:
+def no_checkpoint_written(run) -> str | None:
     written = [p for folder in run.checkpoint_dirs() for p in folder.glob("*.safetensors")]
     if written:
         return (f"a checkpoint was written ({written[0]}): FLASHMOE_CHECKPOINT_FAULT=enospc "
@@ -167,13 +165,13 @@ def no_checkpoint_written(run: "ChaosRun") -> str | None:
     return None
 
 
-def wait_checkpoints(run: "ChaosRun") -> float:
+def wait_checkpoints(run) -> float:
     """The fault is on from the start: let a few checkpoint periods pass under load."""
     time.sleep(3 * CHECKPOINT_EVERY_S)
     return time.monotonic()
 
 
-def under_load(run: "ChaosRun") -> float:
+def under_load(run) -> float:
     return time.monotonic()
 
 
