@@ -44,9 +44,9 @@ HEARTBEAT_TIMEOUT_S = 2.0  # ipc.heartbeat_timeout_s of every target
 START_TIMEOUT_S = 180.0
 WARM_TIMEOUT_S = 60.0
 RECOVER_TIMEOUT_S = 45.0  # longer without recovery, with the target alive: a hang
-OBSERVE_S = 5.0  # under load after recovery, before the stop
+OBSERVE_S = 4.0  # under load after recovery, before the stop
 STOP_TIMEOUT_S = 40.0  # longer to exit after SIGTERM: a hang
-FAULT_AFTER_S = (0.5, 3.0)  # the fault comes this long (uniform) after the target is warm
+FAULT_AFTER_S = (0.3, 2.0)  # the fault comes this long (uniform) after the target is warm
 FD_SAMPLES = 5
 ROLES = ("cache_manager", "feature_extractor", "predictor", "panel", "worker")
 SETTINGS = (f"io.read_timeout_s={READ_TIMEOUT_S:g}", "ipc.heartbeat_interval_s=0.5",
