@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-POLL_S = 0.2
+POLL_S = 0.5
 SHM_DIR = Path("/dev/shm")
 ARENA_NAME = re.compile(r"flashmoe(?:-.+)?-([0-9]+)-[0-9a-f]{8}")
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
