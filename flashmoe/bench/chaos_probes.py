@@ -177,26 +177,35 @@ class ServeLoad:
         self.reference: dict[str, str] = {}
         self.out = Outcomes()
         self.stopping = threading.Event()
+        self.go = threading.Event()  # cleared: no new request is sent (fds are being counted)
+        self.go.set()
+        self.busy = threading.Lock()  # held while a request is in flight
         self.thread = threading.Thread(target=self._loop, name="chaos-serve-load", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         n = 0
         while not self.stopping.is_set():
-            prompt = PROMPTS[n % len(PROMPTS)]
-            n += 1
-            started = time.monotonic()
-            outcome, text, note = self.request(prompt)
-            if outcome == "ok":
-                want = self.reference.setdefault(prompt, text)
-                if text != want:
-                    a, b = text.encode(), want.encode()
-                    differ = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
-                    self.out.wrong_bytes += differ
-                    outcome, note = "wrong", f"{prompt!r}: {text!r} != {want!r}"
-            self.out.add(outcome, started, note)
-            if outcome != "ok":
-                self.stopping.wait(0.2)
+            if not self.go.wait(0.2):
+                continue
+            with self.busy:
+                if self.go.is_set():
+                    n += 1
+                    self._one(PROMPTS[n % len(PROMPTS)])
+
+    def _one(self, prompt: str) -> None:
+        started = time.monotonic()
+        outcome, text, note = self.request(prompt)
+        if outcome == "ok":
+            want = self.reference.setdefault(prompt, text)
+            if text != want:
+                a, b = text.encode(), want.encode()
+                differ = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+                self.out.wrong_bytes += differ
+                outcome, note = "wrong", f"{prompt!r}: {text!r} != {want!r}"
+        self.out.add(outcome, started, note)
+        if outcome != "ok":
+            self.stopping.wait(0.2)
 
     def request(self, prompt: str) -> tuple[str, str, str]:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -225,6 +234,15 @@ class ServeLoad:
 
     def ready(self) -> bool:
         return len(self.reference) == len(PROMPTS)
+
+    def pause(self) -> None:
+        """No request in flight until ``resume`` (at most one request's bound to wait)."""
+        self.go.clear()
+        with self.busy:
+            pass
+
+    def resume(self) -> None:
+        self.go.set()
 
     def close(self) -> None:
         self.stopping.set()

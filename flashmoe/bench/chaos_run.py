@@ -319,7 +319,10 @@ class ChaosRun:
 
     def fd_counts(self) -> dict[str, tuple[int, collections.Counter]]:
         """(pid, its fds by kind at the sample with the fewest) of the cache manager and the
-        worker, over a few samples."""
+        worker, over a few samples, with no completion in flight (its connection is not
+        counted)."""
+        if self.load is not None:
+            self.load.pause()
         out = {}
         for role in ("cache_manager", "worker"):
             s = self.tree.service(role)
@@ -331,6 +334,8 @@ class ChaosRun:
                 time.sleep(0.1)
             if samples:
                 out[role] = (s.pid, min(samples, key=lambda k: k.total()))
+        if self.load is not None:
+            self.load.resume()
         return out
 
     def count_fds(self, before: dict, after: dict) -> None:
