@@ -118,9 +118,14 @@ def slow_reads(run) -> float:
 
 def manager_replaced(run) -> str | None:
     now = run.tree.service("cache_manager")
-    if now is not None and now.pid == run.victim.pid:
-        return "the slowed cache manager did not exit (io.read_timeout_s not enforced?)"
+    if now is None or now.pid == run.victim.pid:
+        return f"the cache manager {run.victim.pid} was not replaced"
     return None
+
+
+def manager_back(run) -> bool:
+    """Recovered only once the cache manager the fault hit was replaced by a new one."""
+    return manager_replaced(run) is None
 
 
 def freeze_worker(run) -> float:
@@ -193,14 +198,14 @@ FAULTS = (
           under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=load_errors_seen),
     Fault("slow-read", "the cache manager's reads throttled (blkio cgroup) past "
                        "io.read_timeout_s", slow_reads, took_effect=manager_replaced,
-          replaces=("cache_manager",)),
+          recovered=manager_back, replaces=("cache_manager",)),
     Fault("enospc-checkpoint", "every checkpoint write fails with ENOSPC "
                                "(FLASHMOE_CHECKPOINT_FAULT=enospc)", wait_checkpoints,
           env={"FLASHMOE_CHECKPOINT_FAULT": "enospc"},
           settings=(f"predictor.checkpoint_every_s={CHECKPOINT_EVERY_S:g}",),
           took_effect=no_checkpoint_written),
     Fault("arena-removed", "remove the cache manager's arena file from /dev/shm", remove_arena,
-          replaces=("cache_manager",)),
+          took_effect=manager_replaced, recovered=manager_back, replaces=("cache_manager",)),
     Fault("redis-restart", "restart the cluster's redis-server", restart_redis,
           settings=("cluster.backoff_max_s=1", "cluster.publish_every_s=1",
                     "cluster.timeout_s=0.5"),

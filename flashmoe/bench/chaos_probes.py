@@ -151,7 +151,11 @@ class Verifier:
             self._drop()
             return
         except Exception as exc:  # noqa: BLE001 - an untyped failure is what is counted
-            self.out.add("untyped", started, f"{type(exc).__name__}: {str(exc)[:120]}")
+            # the client's own error types are its contract; anything else (a raw
+            # ProtocolError, a KeyError...) is not
+            typed = type(exc).__module__ == CacheClient.__module__
+            self.out.add("typed" if typed else "untyped", started,
+                         f"{type(exc).__name__}: {str(exc)[:120]}")
             self._drop()
             return
         if differ:
