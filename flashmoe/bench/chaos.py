@@ -170,7 +170,8 @@ def run(args) -> int:
                 for i in range(args.runs):
                     folder = root / f"{len(rows):02d}-{i}"  # short: ipc paths have 107 bytes
                     folder.mkdir()
-                    result = ChaosRun(assets, fault, folder, rng.randrange(1 << 30)).execute()
+                    result = ChaosRun(assets, fault, folder, rng.randrange(1 << 30),
+                                      keep_logs=bool(args.keep)).execute()
                     results.append(result)
                     print(f"[chaos] {fault.name} on {target}, run {i + 1}: "
                           f"{'recovered' if result.recovered else 'NOT recovered'} in "

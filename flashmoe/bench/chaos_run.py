@@ -82,8 +82,10 @@ class RunResult:
 
 
 class ChaosRun:
-    def __init__(self, assets: Assets, fault: Fault, folder: Path, seed: int) -> None:
+    def __init__(self, assets: Assets, fault: Fault, folder: Path, seed: int,
+                 keep_logs: bool = False) -> None:
         self.assets, self.fault, self.folder = assets, fault, folder
+        self.keep_logs = keep_logs  # copy the services' logs into the run's folder at the end
         self.rng = random.Random(seed)
         self.result = RunResult()
         self.read_timeout_s, self.heartbeat_timeout_s = READ_TIMEOUT_S, HEARTBEAT_TIMEOUT_S
@@ -138,6 +140,8 @@ class ChaosRun:
             self.note(f"chaos error: {type(exc).__name__}: {exc}")
         finally:
             self.close_probes()
+            if self.keep_logs:
+                self.copy_logs()
             rc = self.stop()
             self.count_leaks(rc)
             self.close_helpers()
@@ -379,6 +383,14 @@ class ChaosRun:
         except OSError:
             return "(no log)"
         return " | ".join(text.splitlines()[-lines:])
+
+    def copy_logs(self) -> None:
+        """The services' logs as they are before the stop (a clean exit removes them)."""
+        runtime = self.runtime()
+        if runtime is not None and runtime.is_dir():
+            (self.folder / "logs").mkdir(exist_ok=True)
+            for log in runtime.glob("*.log"):
+                shutil.copy(log, self.folder / "logs" / log.name)
 
     # --- the end ----------------------------------------------------------------------------
 
