@@ -55,6 +55,9 @@ RUN_TRACE = "gptoss20b-sample:eval"
 WARMUP_TRACE = "gptoss20b-sample:train"
 WARMUP_TOKENS = 400  # a warm-up checkpoint of the right shape, made in seconds
 LEAK_KINDS = ("processes", "sockets", "shm", "fds", "runtime_dirs")
+# The longest socket path of a target under the tool's folder, and the most an ipc path holds.
+DEEPEST_SOCKET = "00-0/tmp/flashmoe-serve-xxxxxxxx/feature_extractor.control.sock"
+IPC_PATH_MAX = 107
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,6 +162,11 @@ def run(args) -> int:
     rng = random.Random(args.seed)
     faults = [f for f in FAULTS if f.name in args.faults]
     root = Path(tempfile.mkdtemp(prefix="flashmoe-chaos-"))
+    if len(f"{root}/{DEEPEST_SOCKET}") > IPC_PATH_MAX:
+        root.rmdir()
+        root = Path(tempfile.mkdtemp(prefix="flashmoe-chaos-", dir="/tmp"))
+        print(f"[chaos] the temporary folder is too deep for the targets' ipc sockets; using "
+              f"{root}", flush=True)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     rows = []
     try:

@@ -5,7 +5,9 @@ row's verdict itself is the matrix's business (`../shared/checks/hardening`), no
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,10 +33,18 @@ def processes_naming(text: str) -> list[str]:
     return out
 
 
-def test_one_row_reports_its_shape_and_leaves_nothing(tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A temporary folder with a short path: the targets' ipc socket paths are made under it
+    and must stay within 107 bytes, which pytest's own folders are too deep for."""
+    folder = Path(tempfile.mkdtemp(prefix="fmc-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_one_row_reports_its_shape_and_leaves_nothing(tmp_path, short_tmp):
     arenas_before = {p.name for p in SHM_DIR.glob("flashmoe*")}
-    tmp = tmp_path / "t"
-    tmp.mkdir()
+    tmp = short_tmp
     out = tmp_path / "chaos.json"
     done = subprocess.run(cli_command("chaos", "--faults", "kill-feature_extractor", "--targets",
                                       "run", "--runs", "1", "--json", str(out)),
@@ -46,6 +56,7 @@ def test_one_row_reports_its_shape_and_leaves_nothing(tmp_path):
     row = rows[0]
     assert (row["fault"], row["target"], row["runs"]) == ("kill-feature_extractor", "run", 1)
     assert all(type(row[k]) is int for k in COUNTS) and 0 <= row["recovered"] <= 1
+    assert not any("before it was ready" in note for note in row["notes"]), row["notes"]
     assert row["leaks"] == sum(v for k, v in row["leak_detail"].items() if k != "examples")
     clean = row["recovered"] == 1 and not (row["hangs"] or row["wrong_bytes"] or row["leaks"])
     assert done.returncode == (0 if clean else 1)
