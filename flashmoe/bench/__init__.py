@@ -47,4 +47,7 @@ BENCHMARKS = (
                                           "start and a local warm-up"),
     Benchmark("serve-bench", "serve", "TTFT, inter-token latency and tokens/s of a running "
                                       "`flashmoe serve`, through the OpenAI client"),
+    Benchmark("chaos", "chaos", "the fault matrix: kills, a corrupt block, EIO, slow reads, a "
+                                "full disk, a removed arena, a Redis restart, a frozen worker, "
+                                "against `run` and `serve` under load"),
 )
