@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 ENV_PREFIX = "FLASHMOE_"
+# FLASHMOE_ variables that are not config fields: the device profile, and the checkpoint
+# fault injection of common/checkpoints.py (testing only).
+ENV_NOT_FIELDS = frozenset({ENV_PREFIX + "PROFILE", ENV_PREFIX + "CHECKPOINT_FAULT"})
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
@@ -528,7 +531,7 @@ def load_config(profile: str | None = None, file: str | os.PathLike | None = Non
         for name, value in values.items():
             _assign(cfg, section, name, value, f"file {file}")
     for key, value in sorted(env.items()):
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "PROFILE":
+        if not key.startswith(ENV_PREFIX) or key in ENV_NOT_FIELDS:
             continue
         section, sep, name = key[len(ENV_PREFIX):].lower().partition("__")
         if not sep:

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from common.config import describe_fields
-from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup, config,
-                                  traces_dir)
+from flashmoe.cli.options import (add_config_flags, add_json, add_trace, add_warmup,
+                                  check_warmup, config, positive_int, traces_dir)
+from flashmoe.errors import CheckpointError
 from flashmoe.reports import write_json
 
 
@@ -33,6 +34,10 @@ def cmd_run(args) -> int:
 
     settings = config(args, first=["cache.policy=flashmoe",
                                    f"cache.capacity_experts={args.capacity}"])
+    if args.warmup is not None and not Path(args.warmup).is_dir():
+        raise CheckpointError(f"--warmup {args.warmup}: no such folder; make a warm-up "
+                              f"checkpoint with `flashmoe warmup --out DIR`, or leave --warmup "
+                              f"out")
     try:
         summary = run(settings, Path(args.home), args.store, args.warmup, args.trace,
                       None if args.loop else args.tokens, args.loop, args.token_ms,
@@ -53,20 +58,18 @@ def cmd_run(args) -> int:
 
 def cmd_serve(args) -> int:
     from common.service import Interrupted
-    from common.store import StoreError
     from flashmoe.runtime.launch import HomeInUse, RuntimeDirError
-    from flashmoe.runtime.serve import serve
+    from flashmoe.runtime.serve import check_store, serve
     from flashmoe.runtime.supervisor import SupervisionError
 
     first = ["cache.policy=flashmoe"]
     if args.capacity is not None:
         first.append(f"cache.capacity_experts={args.capacity}")
     settings = config(args, first=first)
+    with check_store(args.store) as store:  # a user's mistake is one line before any start
+        check_warmup(args.warmup, settings, store.manifest)
     try:
         serve(settings, args.store, Path(args.home), args.warmup, keep_logs=args.keep_logs)
-    except StoreError as exc:
-        print(f"flashmoe serve: {exc}", file=sys.stderr)
-        return 2
     except (HomeInUse, RuntimeDirError) as exc:
         return instance_refused("serve", exc)
     except Interrupted as exc:
@@ -112,9 +115,9 @@ def register(sub) -> None:
     add_warmup(p, help="warm-up checkpoint (default: made once)")
     add_trace(p, default=None, help="the routing the worker replays (default: gpt-oss-20b's "
                                     "eval split, the full one when found, else the sample)")
-    p.add_argument("--tokens", type=int, default=300, help="decode steps to run")
+    p.add_argument("--tokens", type=positive_int, default=300, help="decode steps to run")
     p.add_argument("--loop", action="store_true", help="go on until Ctrl-C or SIGTERM")
-    p.add_argument("--capacity", type=int, default=192,
+    p.add_argument("--capacity", type=positive_int, default=192,
                    help="experts the cache holds (default 192: 25%% of gpt-oss-20b's)")
     p.add_argument("--token-ms", type=float, default=0.0,
                    help="a decode step lasts at least this long (a model's pace)")
@@ -130,7 +133,8 @@ def register(sub) -> None:
                    help="where each store's learned state is kept (the store is only read)")
     add_warmup(p, help="a warm-up checkpoint of this model (`flashmoe warmup --store STORE "
                        "--text FILE`); default: the state kept under --home, else cold")
-    p.add_argument("--capacity", type=int, help="experts the cache holds (cache.capacity_experts)")
+    p.add_argument("--capacity", type=positive_int,
+                   help="experts the cache holds (cache.capacity_experts)")
     add_keep_logs(p)
     add_config_flags(p)
     p.set_defaults(func=cmd_serve)

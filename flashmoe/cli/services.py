@@ -78,9 +78,11 @@ def cmd_trace_worker(args) -> int:
     stats = run_trace_worker(_given_config(args), args.cache, trace, args.start, args.tokens,
                              events=args.events, token_ms=args.token_ms, loop=args.loop,
                              compute=args.compute)
-    keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read")
-    print(json.dumps({k: stats[k] for k in keys}))
-    if stats["token_ms"]:
+    # The manager's counters are missing when it went away at the very end.
+    keys = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_byte_read",
+            "tokens_failed", "reconnects")
+    print(json.dumps({k: stats.get(k) for k in keys}))
+    if stats.get("token_ms"):
         ms = sorted(stats["token_ms"])
         print(f"{len(ms)} tokens, {1e3 * len(ms) / sum(ms):.2f} tokens/s, p50 "
               f"{ms[len(ms) // 2]:.1f} ms")

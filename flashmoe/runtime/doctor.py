@@ -104,12 +104,13 @@ def _arena_bytes(config: FlashMoEConfig, store_path: Path | None) -> int | None:
         return None
     from common.store import ExpertStore, StoreError
 
+    from common.arena import arena_bytes
+
     try:
-        store = ExpertStore.open(store_path)
+        with ExpertStore.open(store_path) as store:
+            return arena_bytes(store.manifest.slot_bytes, config.cache.capacity_experts)
     except StoreError:  # reported by the store check
         return None
-    slot = -(-store.manifest.max_expert_bytes // 4096) * 4096
-    return slot * config.cache.capacity_experts
 
 
 def _store(store_path: Path | None) -> Check | None:

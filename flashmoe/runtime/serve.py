@@ -47,12 +47,12 @@ def check_store(store: str | Path) -> ExpertStore:
     path = Path(store)
     try:
         return ExpertStore.open(path)
-    except StoreError as exc:
+    except StoreError:
         if (path / CONFIG_NAME).is_file() and any(path.glob("*.safetensors")):
             raise StoreError(f"{path} is a Hugging Face checkpoint folder, not a FlashMoE "
                              f"store: convert it first with `flashmoe convert {path} "
                              f"STORE`, then serve STORE") from None
-        raise StoreError(f"{path}: not a FlashMoE store ({exc})") from None
+        raise
 
 
 def learned_state_dir(home: Path, store: ExpertStore) -> Path:

@@ -46,10 +46,14 @@ SERIES = ("hit_rate", "stall_free_rate", "ssd_mb_per_s", "tokens_per_s",
 
 Choices = Mapping[str, Sequence[str]]  # field -> the choices a running service gives for it
 NO_CHOICES: Choices = {}
+# Fields whose choices only a running service can give (the policies the cache manager runs
+# live are fewer than the names the config accepts): without it they have none to offer.
+SERVICE_CHOICES = ("cache.policy",)
 
 
 def _rows(choices: Choices = NO_CHOICES) -> list[dict[str, Any]]:
-    return [{**row, "choices": choices.get(row["key"], row["choices"])}
+    return [{**row, "choices": choices.get(row["key"], None if row["key"] in SERVICE_CHOICES
+                                           else row["choices"])}
             for row in describe_fields() if not row["secret"]]
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.cache_client import CacheManagerUnavailable, ExpertLoadError
+from common.cache_client import CacheManagerUnavailable, ExpertLoadError, PinsLost
 
 from .model_runner import ModelRunner, StepAborted, StepGroup
 
@@ -167,13 +167,17 @@ class Engine:
     """The model loop (see the module docstring). ``fetch`` and ``hint`` reach the cache
     manager (``fetch(layer, experts, release_layers, token)``, ``hint(layer, experts)``);
     ``publish`` is an ``EventPublisher``'s or None; ``max_request``: the most experts one
-    acquire may hold (the cache's slots)."""
+    acquire may hold (the cache's slots); ``lost()`` says, after a step's forwards and before
+    anything of it is emitted, whether a slot it computed on may have been given to another
+    expert (``CacheClient.lost``: this worker was dropped while frozen)."""
 
     def __init__(self, runner: ModelRunner, tokenizer, max_request: int, *,
                  release: Callable[[], None], hint=None, publisher=None,
                  set_step: Callable[[int], None] = lambda step: None,
+                 lost: Callable[[], bool] = lambda: False,
                  max_queue: int = 64, max_batch: int = 8) -> None:
         self.runner, self.tokenizer = runner, tokenizer
+        self.lost = lost
         self.max_request, self.release, self.hint = max_request, release, hint
         self.publisher, self.set_step = publisher, set_step
         self.max_queue, self.max_batch = max_queue, max_batch
@@ -309,6 +313,9 @@ class Engine:
                  for seq in sequences]
         routings: list[dict] = [{} for _ in sequences]
         results, failure = self._forwards(sequences, routings)
+        if failure is None and self.lost():
+            failure = PinsLost("the cache manager dropped this worker during the step: its "
+                               "slots may hold other experts now")
         self.stats["steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(sequences))
         if failure is None:

@@ -135,6 +135,7 @@ def generate(store_path: str | Path, prompt: str, max_new_tokens: int, cache_end
                             hint=client.prefetch if runner.lookahead else None,
                             publisher=publisher,
                             set_step=lambda step: setattr(client, "step", step),
+                            lost=client.lost,
                             max_queue=1, max_batch=1)
             engine.clamp(prompt_ids, params)
             pieces, times, done = [], [], {}

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable
 
 from common.bus import ConfigMismatch
-from common.cache_client import CacheClient, CacheManagerUnavailable, ExpertLoadError
+from common.cache_client import (CacheClient, CacheManagerUnavailable, ExpertLoadError,
+                                 PinsLost)
 from common.config import FlashMoEConfig
 from common.service import Service, ServiceFailed, State, run_service_process
 from common.traces import TokenStream, Trace
@@ -115,6 +116,9 @@ class TraceWorker:
                 weights = trace.probs[t, layer].astype(float).tolist() \
                     if trace.probs is not None else [1.0 / k] * k
                 hidden = compute.step(hidden, layer, experts, weights)
+        if compute is not None and client.lost():  # dropped while it computed: redo it
+            raise PinsLost("the cache manager dropped this worker during the token: its "
+                           "slots may hold other experts now")
 
     def _publish(self, t: int) -> None:
         if self.publisher is None:

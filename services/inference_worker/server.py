@@ -26,7 +26,7 @@ from pathlib import Path
 from common.bus import control_endpoint_for
 from common.bus import stats as control_stats
 from common.cache_client import CacheClient, CacheManagerUnavailable
-from common.config import FlashMoEConfig
+from common.config import FlashMoEConfig, allowed_hosts
 from common.service import Service, ServiceFailed, run_service_process
 from common.store import StoreError
 
@@ -116,6 +116,14 @@ class Connection:
         if self.client is not None:
             self.client.step = step
 
+    def lost(self) -> bool:
+        """Whether the client lost its pins (``CacheClient.lost``); a lost one is dropped,
+        the next fetch connects anew."""
+        if self.client is not None and self.client.lost():
+            self.drop()
+            return True
+        return False
+
     def close(self) -> None:
         if self.client is not None:
             try:
@@ -140,7 +148,8 @@ def build_engine(config: FlashMoEConfig, store: str | Path, connection: Connecti
     connection.attach(runner)
     engine = Engine(runner, tokenizer, client.ready.n_slots, release=connection.release,
                     hint=connection.hint if runner.lookahead else None, publisher=publisher,
-                    set_step=connection.set_step, max_queue=config.serve.max_queue,
+                    set_step=connection.set_step, lost=connection.lost,
+                    max_queue=config.serve.max_queue,
                     max_batch=config.serve.max_batch)
     return engine, tokenizer
 
@@ -173,7 +182,8 @@ class ServeWorker(Service):
             cache_stats=lambda: control_stats(cache_control, timeout_s=STATS_TIMEOUT_S),
             predictor_stats=(lambda: control_stats(predictor_control, timeout_s=STATS_TIMEOUT_S))
             if predictor_control else dict,
-            metrics=RequestMetrics())
+            metrics=RequestMetrics(),
+            allowed_hosts=allowed_hosts(config.serve.allowed_hosts, config.serve.host))
         self.info = runtime_dir / INFO_FILE if runtime_dir is not None else None
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.serving), log_level="warning",
                                                     access_log=False, lifespan="off"))

@@ -70,15 +70,8 @@ def test_a_foreign_host_is_refused_with_400(serve, host, method, path):
     assert error["code"] == "host_not_allowed" and "serve.allowed_hosts" in error["message"]
 
 
-# serve.allowed_hosts reaches the API once services/inference_worker/server.py passes
-# allowed_hosts(config.serve.allowed_hosts, config.serve.host) to ServingState (not yet).
-NEEDS_SERVER_PY = pytest.mark.xfail(strict=True, reason="server.py does not pass "
-                                    "serve.allowed_hosts to ServingState yet")
 
-
-@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "[::1]",
-                                  pytest.param("llm.lan", marks=NEEDS_SERVER_PY),
-                                  pytest.param("LLM.LAN.", marks=NEEDS_SERVER_PY)])
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "[::1]", "llm.lan", "LLM.LAN."])
 def test_loopback_and_configured_names_are_answered(serve, host):
     status, text, _ = call(serve, "GET", "/v1/models", host=f"{host}:{serve.port}")
     assert status == 200, text

@@ -104,12 +104,20 @@ def test_the_learning_and_worker_commands_check_their_flags(capsys, tmp_path, ar
     assert not (tmp_path / "w").exists()
 
 
-def test_a_failure_that_is_no_mistake_is_one_line_and_exit_1(capsys, tmp_path):
-    """A cache manager that does not answer: no traceback, and not called an internal error."""
-    rc = main(["trace-worker", "--cache", f"ipc://{tmp_path}/none.sock", "--trace",
-               "gptoss20b-sample:eval", "--tokens", "1", "--set", "ipc.handshake_timeout_s=0.1"])
-    err = [line for line in lines(capsys.readouterr().err) if "flashmoe trace-worker:" in line]
-    assert rc == 1
+def test_a_failure_that_is_no_mistake_is_one_line_and_exit_1(tmp_path):
+    """A cache manager that does not answer: no traceback, and not called an internal error.
+    (A process of its own: a service's loop takes the signals and the parent-death signal.)"""
+    import subprocess
+
+    from flashmoe.runtime.launch import child_env, cli_command
+
+    proc = subprocess.run(cli_command("trace-worker", "--cache", f"ipc://{tmp_path}/none.sock",
+                                      "--trace", "gptoss20b-sample:eval", "--tokens", "1",
+                                      "--set", "ipc.handshake_timeout_s=0.1"),
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    rc = proc.returncode
+    err = [line for line in lines(proc.stderr) if "flashmoe trace-worker:" in line]
+    assert rc == 1 and "Traceback" not in proc.stderr
     assert len(err) == 1 and err[0].startswith("flashmoe trace-worker: error: no reply from the "
                                                "cache manager")
 
