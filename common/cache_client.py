@@ -287,6 +287,8 @@ class CacheClient:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        if getattr(self, "store", None) is not None:
+            self.store.close()  # its lock's fd (the manifest stays readable)
         if hasattr(self, "peer_events"):
             self.send_to_cache.disable_monitor()
             self.peer_events.close()

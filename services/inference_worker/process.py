@@ -37,8 +37,11 @@ from .events import EventPublisher
 
 log = logging.getLogger("flashmoe.trace_worker")
 
-RECONNECT_TRIES = 5  # handshakes in a row (each within ipc.handshake_timeout_s) before exiting
-RECONNECT_WAIT_S = 0.5  # between two of them
+RECONNECT_TRIES = 5  # tokens in a row done again after a reconnection before exiting
+RECONNECT_WAIT_S = 0.5  # between two handshakes of a reconnection
+# A reconnection tries handshakes (each within ipc.handshake_timeout_s) for this long: a
+# manager that failed drains its reads first, and its supervisor restarts it after a back-off.
+RECONNECT_WINDOW_S = 60.0
 
 
 class TraceWorker:
@@ -222,19 +225,19 @@ class TraceWorkerService(Service):
                                                  self.trace.top_k))
 
     def reconnect(self) -> CacheClient:
-        """``connect`` again, up to ``RECONNECT_TRIES`` handshakes (the manager may be
-        restarting, after its supervisor's back-off)."""
-        for attempt in range(1, RECONNECT_TRIES + 1):
+        """``connect`` again, handshake after handshake for up to ``RECONNECT_WINDOW_S`` (the
+        manager may be draining its reads, or restarting after its supervisor's back-off)."""
+        deadline = time.monotonic() + RECONNECT_WINDOW_S
+        while True:
             try:
                 return self.connect()
             except CacheManagerUnavailable as exc:
-                if attempt == RECONNECT_TRIES:
+                if time.monotonic() >= deadline:
                     raise
                 self.log.warning("reconnecting to %s: %s; trying again", self.cache_endpoint,
                                  exc)
                 with self.interruptible():
                     time.sleep(RECONNECT_WAIT_S)
-        raise AssertionError("unreachable")
 
     def serve(self) -> None:
         publisher = EventPublisher(self.config, self.events,
