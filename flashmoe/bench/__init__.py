@@ -50,4 +50,6 @@ BENCHMARKS = (
     Benchmark("chaos", "chaos", "the fault matrix: kills, a corrupt block, EIO, slow reads, a "
                                 "full disk, a removed arena, a Redis restart, a frozen worker, "
                                 "against `run` and `serve` under load"),
+    Benchmark("soak", "soak", "a long run of `run --loop` or `serve` under serve-bench: memory, "
+                              "fds, threads, shm and table sizes each minute, growth per hour"),
 )

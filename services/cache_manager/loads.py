@@ -117,6 +117,7 @@ class Loads:
         log.info("IO engine: %s (depth %d)%s", self.engine.name, config.io.queue_depth,
                  f"; fallback because {self.engine_fallback_reason}"
                  if self.engine_fallback_reason else "")
+        self.engine.on_failing = self.fail_waiters
         self.verifier = Verifier(store, arena)
         self.max_blocks = max(e.n_blocks for e in store.manifest.experts)
         # engine batch id -> the loads it carries: (load, its first op, end)
@@ -222,13 +223,19 @@ class Loads:
         for waiter in self.core.finish_load(load.key, ok, code, message):
             self.answer(waiter)
 
-    def engine_failed(self, exc: IOEngineError) -> EngineFailed:
-        """Fail every waiting request with a typed error; the caller raises what this
-        returns."""
-        code = "io_timeout" if "read_timeout" in str(exc) else "io_error"
-        log.error("IO engine failed: %s", exc)
-        for waiter in self.core.fail_all_loads(code, f"IO engine failed: {exc}"):
+    def fail_waiters(self, reason: str) -> None:
+        """Every waiting request gets a typed error (``io_timeout`` or ``io_error``) at once:
+        the engine calls this as it fails, before it drains the reads in flight, and the
+        process exits after it (no slot of those reads is used again)."""
+        code = "io_timeout" if "read_timeout" in reason else "io_error"
+        for waiter in self.core.fail_all_loads(code, f"IO engine failed: {reason}"):
             self.answer(waiter)
+
+    def engine_failed(self, exc: IOEngineError) -> EngineFailed:
+        """Fail every request still waiting with a typed error; the caller raises what this
+        returns."""
+        log.error("IO engine failed: %s", exc)
+        self.fail_waiters(str(exc))
         self.reads.clear()
         return EngineFailed(str(exc))
 

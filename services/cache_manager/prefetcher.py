@@ -77,6 +77,11 @@ class NextLayerPrefetcher:
         """Forget a worker's token in progress (it went away)."""
         self._streams.pop(worker, None)
 
+    def sizes(self) -> dict[str, int]:
+        """How full its tables are: token rows held, workers with a token in progress."""
+        return {"prefetcher_token_rows": len(self.token_row),
+                "prefetcher_streams": len(self._streams)}
+
     # --- the stream of served requests ------------------------------------------------------
 
     def after_request(self, core, worker, layer: int, experts: list[int], token: str = "",

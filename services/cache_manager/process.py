@@ -553,6 +553,7 @@ class CacheManager(Service):
                                     if self.estimate_at is not None else -1),
                 "prediction_gaps": self.prediction_gaps.counters["n_gap"],
                 "prefetcher_hints": prefetcher.stats["hints"] if prefetcher else 0,
+                **(prefetcher.sizes() if prefetcher else {}),
                 "policy_params": self.core.policy_params_json(),
                 "workers": len(self.workers), "state": self.state.value, "pid": os.getpid(),
                 "read_p50_us": percentile_us(lat, 50), "read_p99_us": percentile_us(lat, 99)}

@@ -177,6 +177,7 @@ class FeatureExtractorService(Service):
                 "variance_kept": float(self.core.pca.variance_kept),
                 "cpu_ms_per_event": round(1e3 * self.cpu_s / events, 3),
                 "tokens_seen": self.core.features.t,
+                "token_rows": len(self.core.features.token_row),
                 **(cluster_stats(self.cluster.link, self.warm_start)
                    if self.cluster is not None else {})}
 

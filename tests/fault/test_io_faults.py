@@ -95,6 +95,22 @@ def test_delayed_completion_times_out_and_fails_the_engine(setup, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_failing_engine_tells_its_owner_before_it_drains(setup, kind):
+    """The cache manager answers the waiting requests from ``on_failing``: it runs while the
+    reads are still in flight, so nobody waits out the drain."""
+    store, _, engine = setup(kind, 4)
+    engine.inject_fault("delay", 1000)
+    seen = []
+    engine.on_failing = lambda reason: seen.append((reason, engine.inflight(), engine.failed))
+    engine.submit(experts_ops(store, 2))
+    wait_until(lambda: (engine.oldest_inflight_s() or 0) > 0.1)
+    with pytest.raises(IOTimeoutError):
+        engine.check_timeout(0.1)
+    [(reason, inflight, failed)] = seen
+    assert "io.read_timeout_s" in reason and inflight > 0 and not failed
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_read_times_out_on_a_delayed_completion(setup, kind):
     store, _, engine = setup(kind, 4)
     engine.inject_fault("delay", 1000)

@@ -113,6 +113,9 @@ class EngineBase:
         self.drain_timeout_s = drain_timeout_s
         self._failure: str | None = None
         self._unclaimed: list[tuple[int, np.ndarray]] = []
+        # Called with the reason when the engine fails, before it drains the reads in flight
+        # (a drain can take drain_timeout_s): its owner answers whoever waits on a read.
+        self.on_failing = None
         self._eio_every = 0  # the eio fault: every N-th expert read reports EIO
         self._expert_reads = 0
         self.eio_injected = 0
@@ -145,6 +148,11 @@ class EngineBase:
             raise IOEngineError(f"the {self.name} IO engine is closed")
 
     def _fail(self, error: type[IOEngineError], reason: str) -> NoReturn:
+        if self.on_failing is not None:
+            try:
+                self.on_failing(reason)
+            except Exception:  # the failure goes on being handled
+                log.exception("the IO engine's on_failing hook failed")
         drained, batches = self._abandon()
         batches = self._unclaimed + batches
         self._unclaimed = []
