@@ -39,6 +39,9 @@ from .io_engine import IOEngineError, IOFaults, open_engine
 log = logging.getLogger("flashmoe.cache_manager")
 LATENCY_WINDOW = 10_000
 EXIT_ENGINE_FAILED = 3
+# After a failure whose drain timed out, closing waits this much more for the late reads
+# (counted as stale) rather than a second drain_timeout_s: the process is going down.
+CLOSE_DRAIN_S = 1.0
 
 
 class EngineFailed(ServiceFailed):
@@ -240,5 +243,7 @@ class Loads:
         return EngineFailed(str(exc))
 
     def close(self) -> None:
+        if self.engine.drain_timed_out:  # the failure waited its drain out: the process ends
+            self.engine.drain_timeout_s = min(self.engine.drain_timeout_s, CLOSE_DRAIN_S)
         self.engine.close()  # drains reads still in flight before the arena goes
         self.verifier.close()

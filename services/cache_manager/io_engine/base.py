@@ -116,6 +116,7 @@ class EngineBase:
         # Called with the reason when the engine fails, before it drains the reads in flight
         # (a drain can take drain_timeout_s): its owner answers whoever waits on a read.
         self.on_failing = None
+        self.drain_timed_out = False  # a failure's drain ended with reads still in flight
         self._eio_every = 0  # the eio fault: every N-th expert read reports EIO
         self._expert_reads = 0
         self.eio_injected = 0
@@ -159,6 +160,7 @@ class EngineBase:
         if drained:
             reason += "; every read in flight was drained first"
         else:
+            self.drain_timed_out = True
             reason += (f"; reads were still in flight after the drain timeout "
                        f"({self.drain_timeout_s} s) and may still land in their slots")
         self._failure = reason
