@@ -193,7 +193,7 @@ def growth(samples: list[dict], settle_min: float) -> list[dict]:
 
 
 def _f(value, scale: float = 1.0, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value / scale, spec)
+    return "-" if value is None else format(value / scale + 0.0, spec)  # no "-0.0"
 
 
 def format_table(report: dict) -> str:
