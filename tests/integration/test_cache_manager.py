@@ -118,7 +118,7 @@ def test_manager_gives_the_policies_it_can_run_live(tiny_store, start_manager):
     assert "belady" not in rep.choices  # needs the future: the simulator's alone
 
 
-@pytest.mark.parametrize("policy, words", [("nope", "unknown policy"),
+@pytest.mark.parametrize("policy, words", [("nope", "is not allowed; choices: arc"),
                                            ("belady", "needs future knowledge")])
 def test_bad_policy_fails_at_start_naming_the_setting(policy, words, tiny_store, start_manager):
     manager = start_manager(tiny_store, f"cache.policy={policy}")
