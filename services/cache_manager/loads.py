@@ -121,6 +121,10 @@ class Loads:
                  f"; fallback because {self.engine_fallback_reason}"
                  if self.engine_fallback_reason else "")
         self.engine.on_failing = self.fail_waiters
+        # A failed engine ends the process, whose successor makes a fresh arena: its drain
+        # need not outwait a stuck disk, one read timeout is enough (the loop waits on it).
+        self.engine.drain_timeout_s = min(self.engine.drain_timeout_s,
+                                          max(1.0, config.io.read_timeout_s))
         self.verifier = Verifier(store, arena)
         self.max_blocks = max(e.n_blocks for e in store.manifest.experts)
         # engine batch id -> the loads it carries: (load, its first op, end)
