@@ -75,18 +75,25 @@ class PanelService(Service):
             self.log.warning("listening on %s: anyone who can reach it can read the stats "
                              "(changes still need the token)", host)
         self.info = runtime_dir / INFO_FILE if runtime_dir is not None else None
-        if self.info is not None:
-            runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.info.write_text(json.dumps({"url": self.url, "port": actual,
-                                             "pid": os.getpid()}))
-            self.info.chmod(0o600)
-        # uvicorn on a thread installs no signal handlers: SIGTERM reaches the skeleton, whose
-        # loop ends the server.
-        app = make_app(self.panel, allowed_hosts(config.panel.allowed_hosts, host))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    access_log=False, lifespan="off"))
-        self.http = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listening]},
-                                     name="panel-http", daemon=True)
+        try:  # a signal here (the skeleton raises it while the service is built) leaves nothing
+            if self.info is not None:
+                runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.info.write_text(json.dumps({"url": self.url, "port": actual,
+                                                 "pid": os.getpid()}))
+                self.info.chmod(0o600)
+            # uvicorn on a thread installs no signal handlers: SIGTERM reaches the skeleton,
+            # whose loop ends the server.
+            app = make_app(self.panel, allowed_hosts(config.panel.allowed_hosts, host))
+            self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                        access_log=False, lifespan="off"))
+            self.http = threading.Thread(target=self.server.run,
+                                         kwargs={"sockets": [self.listening]},
+                                         name="panel-http", daemon=True)
+        except BaseException:
+            self.listening.close()
+            if self.info is not None:
+                self.info.unlink(missing_ok=True)
+            raise
 
     def banner(self) -> str:
         return f"control panel on {self.url}"
