@@ -18,6 +18,7 @@ process was not there) or ``untyped``.
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import threading
@@ -231,7 +232,8 @@ class ServeLoad:
             if isinstance(exc.reason, TimeoutError):
                 return "hang", "", f"no answer within {REQUEST_TIMEOUT_S:g} s"
             return "refused", "", f"URLError: {exc.reason}"
-        except (ConnectionError, OSError) as exc:  # cut mid-answer (RemoteDisconnected...)
+        except (ConnectionError, OSError, http.client.HTTPException) as exc:
+            # cut mid-answer: the server died (RemoteDisconnected, IncompleteRead...)
             return "refused", "", f"{type(exc).__name__}: {exc}"
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             return "untyped", "", f"a 200 answer that is not a completion: {exc!r}"
