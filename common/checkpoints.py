@@ -19,6 +19,7 @@ service at start, ``arm_checkpoint_fault``, which says so loudly).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import time
@@ -51,6 +52,27 @@ def arm_checkpoint_fault(log: logging.Logger, env: dict | None = None) -> str:
         log.warning("FAULT INJECTION (testing only): %s=%s makes every checkpoint write fail "
                     "with ENOSPC", FAULT_ENV, kind)
     return kind
+
+
+def read_checkpoint(folder: str | Path, name: str, framework: str) -> tuple[dict, dict]:
+    """``<folder>/<name>.safetensors`` as (its JSON, its arrays): the JSON from the file's
+    ``name`` metadata, else from ``<name>.json`` beside it. FileNotFoundError when the file is
+    missing; CheckpointDamaged when the bytes are not a checkpoint (zero-length, truncated,
+    garbage, no JSON)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    path = folder / f"{name}.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(2, f"no {name} checkpoint", str(path))
+    try:
+        with safe_open(str(path), framework=framework) as f:
+            text = (f.metadata() or {}).get(name)
+            arrays = {key: f.get_tensor(key) for key in f.keys()}
+        return json.loads(text if text is not None else
+                          (folder / f"{name}.json").read_text()), arrays
+    except Exception as exc:  # SafetensorError, JSON, OS errors: the bytes are not a checkpoint
+        raise CheckpointDamaged(f"{path}: {type(exc).__name__}: {exc}") from None
 
 
 def fsync_path(path: Path) -> None:

@@ -32,10 +32,10 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, write_durably,
+from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, read_checkpoint,
+                                write_durably,
                                 write_text_durably)
 
 from .checks import check_probs, check_routing
@@ -506,18 +506,6 @@ def load_checkpoint(core: ExtractorCore, folder: str | Path) -> dict:
     """Load what ``save_checkpoint`` wrote; returns its JSON. FileNotFoundError when it is
     missing, CheckpointMismatch when it is another model's, CheckpointDamaged when it cannot
     be decoded (zero-length, truncated, garbage, wrong arrays); ``core`` unchanged then."""
-    folder = Path(folder)
-    path = folder / "extractor.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(2, "no extractor checkpoint", str(path))
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            text = (f.metadata() or {}).get("extractor")
-            arrays = {key: f.get_tensor(key) for key in f.keys()}
-        meta = json.loads(text if text is not None else (folder / "extractor.json").read_text())
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # SafetensorError, JSON, OS errors: the bytes are not a checkpoint
-        raise CheckpointDamaged(f"{path}: {type(exc).__name__}: {exc}") from None
+    meta, arrays = read_checkpoint(folder, "extractor", "numpy")
     load_extractor_state(core, arrays, meta)
     return meta

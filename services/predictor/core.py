@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, write_durably,
+from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, read_checkpoint,
+                                write_durably,
                                 write_text_durably)
 from common.config import PredictorConfig
 
@@ -323,18 +323,12 @@ class Learner:
         non-finite tensors); the learner is unchanged then."""
         folder = Path(folder)
         path = folder / "predictor.safetensors"
-        if not path.is_file():
-            raise FileNotFoundError(2, "no predictor checkpoint", str(path))
+        meta, tensors = read_checkpoint(folder, "predictor", "pt")
         try:
-            with safe_open(str(path), framework="pt") as f:
-                text = (f.metadata() or {}).get("predictor")
-                tensors = {key: f.get_tensor(key) for key in f.keys()}
-            meta = json.loads(text if text is not None else
-                              (folder / "predictor.json").read_text())
             shape = (meta["L"], meta["E"], meta["dims"], meta["features"])
             network = (meta["params"]["model"], meta["params"]["hidden"])
             steps = meta.get("steps", 0)
-        except Exception as exc:  # SafetensorError, JSON, OS errors: not a checkpoint
+        except Exception as exc:  # JSON of another kind: not a checkpoint
             raise CheckpointDamaged(f"{path}: {type(exc).__name__}: {exc}") from None
         if shape != (self.L, self.E, self.dims, self.features):
             raise CheckpointMismatch(f"{folder}: checkpoint of shape (layers, experts, dims, "
