@@ -4,9 +4,10 @@ services' control sockets (``panel.py``), on the service skeleton (common/servic
 The process listens on ``host:port`` (127.0.0.1 unless told otherwise; port 0 = any free
 one), writes ``<runtime_dir>/panel.json`` (its URL and pid) once listening, and removes it at
 exit. uvicorn serves on a thread of its own (so it installs no signal handler of its own, and
-never re-raises a signal at its end); SIGTERM/SIGINT, from the process's first line on (while
-the server is still being built too), only ask for a stop: the loop ends the server, the
-clean-up runs and the process exits with status 0. The parent's death sends SIGTERM. A port
+never re-raises a signal at its end); SIGTERM/SIGINT while the server is being built end the
+construction (the skeleton raises them, common/service.py) and what it made is removed; once
+it runs they only ask for a stop: the loop ends the server, the clean-up runs; status 0 both
+ways. The parent's death sends SIGTERM. A port
 that is taken ends the process with status ``EXIT_CANNOT_LISTEN``. Requests whose Host header
 is not among ``panel.allowed_hosts``, the loopback names and the listening address get 400
 (a web page cannot reach a loopback panel through DNS rebinding). The panel is a client of the others' control sockets; it
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import threading
 from pathlib import Path
@@ -54,12 +54,10 @@ class PanelService(Service):
 
     def __init__(self, config: FlashMoEConfig, runtime_dir: Path | None, host: str, port: int,
                  services: dict[str, str] | None = None,
-                 control_endpoint: str | None = None,
-                 stop_asked: threading.Event | None = None) -> None:
+                 control_endpoint: str | None = None) -> None:
         import uvicorn
 
         super().__init__(config, control_endpoint)
-        self.stop_asked = stop_asked or threading.Event()  # a signal before the loop ran
         self.panel = Panel(config, runtime_dir, services)
         try:
             self.listening = listen(host, port)
@@ -99,9 +97,6 @@ class PanelService(Service):
         return f"control panel on {self.url}"
 
     def serve(self) -> None:
-        if self.stop_asked.is_set():
-            self.request_stop()
-            return
         self.panel.start()
         self.http.start()
         super().serve()
@@ -128,10 +123,7 @@ def run_panel_process(config: FlashMoEConfig, runtime_dir: Path | None, host: st
                       control_endpoint: str | None = None) -> int:
     """Process entry: listen, announce the URL and token, serve until SIGTERM/SIGINT
     (``control_endpoint``: answer health and stats there). A signal that comes while the
-    server is being built is kept, and the service stops as soon as it is built."""
-    stop_asked = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_asked.set())
+    server is being built ends it there (the skeleton raises it), its files removed."""
     return run_service_process(lambda: PanelService(config, runtime_dir, host, port, services,
-                                                    control_endpoint, stop_asked),
+                                                    control_endpoint),
                                PanelService.name)
