@@ -7,23 +7,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from flashmoe.bench.chaos_procs import free_port
 from flashmoe.runtime.launch import child_env, cli_command
 
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
