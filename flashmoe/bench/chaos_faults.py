@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from common.bus import ServiceUnavailable, stats
 from flashmoe.bench.chaos_procs import SHM_DIR, ThrottledReads
 
 EIO_EVERY = 10  # FMIO_FAULT=eio:N: every N-th read fails with EIO
@@ -85,6 +86,17 @@ def corrupt_block(run) -> float:
 def load_errors_seen(run) -> str | None:
     if not any(n.startswith("ExpertLoadError") for n in run.verifier.out.notes):
         return "the verifier never got an ExpertLoadError: the fault did not reach a load"
+    return None
+
+
+def reads_failed(run) -> str | None:
+    """The eio fault: reads failed (and were read again, so no request need have failed)."""
+    try:
+        counters = stats(run.control("cache_manager"), timeout_s=2.0)
+    except ServiceUnavailable as exc:
+        return f"the cache manager's stats did not answer: {exc}"
+    if not counters.get("n_io_error"):
+        return "the cache manager counted no failed read: the fault did not reach a load"
     return None
 
 
@@ -195,7 +207,7 @@ FAULTS = (
     Fault("corrupt-block", "flip bytes of one expert's block in the target's store copy",
           corrupt_block, took_effect=load_errors_seen),
     Fault("eio", f"every {EIO_EVERY}th read fails with EIO (FMIO_FAULT=eio:{EIO_EVERY})",
-          under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=load_errors_seen),
+          under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=reads_failed),
     Fault("slow-read", "the cache manager's reads throttled (blkio cgroup) past "
                        "io.read_timeout_s", slow_reads, took_effect=manager_replaced,
           recovered=manager_back, replaces=("cache_manager",)),

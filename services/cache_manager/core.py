@@ -62,11 +62,12 @@ class Waiter:
 
 class Load:
     """One expert being read into its slot."""
-    __slots__ = ("key", "slot", "nbytes", "prefetch", "waiters")
+    __slots__ = ("key", "slot", "nbytes", "prefetch", "waiters", "attempts")
 
     def __init__(self, key: ExpertKey, slot: int, nbytes: int, prefetch: bool) -> None:
         self.key, self.slot, self.nbytes, self.prefetch = key, slot, nbytes, prefetch
         self.waiters: list[Waiter] = []  # requests parked on it
+        self.attempts = 1  # reads of it submitted (a failed read is retried, see loads.py)
 
     def __repr__(self) -> str:
         return f"Load({self.key}, slot={self.slot}, prefetch={self.prefetch})"

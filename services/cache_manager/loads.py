@@ -9,8 +9,10 @@ fails every waiting request with a typed error (``io_timeout`` / ``io_error``) a
 ``EngineFailed``: the process exits with ``EXIT_ENGINE_FAILED`` so that a supervisor restarts
 it.
 
-A load that fails on its own (a read error such as EIO, a short read, a checksum mismatch)
-costs only its waiters: they get ``io_error`` / ``checksum``, the slot is freed, and a later
+A load that fails on its own (a read error such as EIO, a short read, a checksum mismatch) is
+read once more (``READ_ATTEMPTS``; counted in ``n_read_retry``): a transient error costs its
+waiters a second read, not their request. If that read fails too, the load costs only its
+waiters: they get ``io_error`` / ``checksum``, the slot is freed, and a later
 acquire of that expert reads it again (a transient error heals; a bad block keeps failing that
 expert alone). Each failure is counted (``n_io_error``, ``n_checksum_error``); the log names
 the place (layer, expert, store file, offset) once per expert and kind of failure, so a
@@ -42,6 +44,9 @@ EXIT_ENGINE_FAILED = 3
 # After a failure whose drain timed out, closing waits this much more for the late reads
 # (counted as stale) rather than a second drain_timeout_s: the process is going down.
 CLOSE_DRAIN_S = 1.0
+# Reads of one load before its waiters get the error: a transient EIO or a torn read heals on
+# the second; a bad block fails both (with O_DIRECT the second read goes to the device again).
+READ_ATTEMPTS = 2
 
 
 class EngineFailed(ServiceFailed):
@@ -132,6 +137,7 @@ class Loads:
         self.read_latency_us: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.reported: set[tuple[int, int, str]] = set()  # (layer, expert, code) logged
         counters["bad_experts"] = 0
+        counters["n_read_retry"] = 0
 
     def report(self, load: Load, code: str, where: str) -> str:
         """Log a failed load once per (expert, code); returns the message for its waiters."""
@@ -197,6 +203,8 @@ class Loads:
             result = int(first["result"])
             what = (os.strerror(-result) + f" (errno {-result})" if result < 0
                     else f"{result} of {int(first['length'])} bytes")
+            if self.retry(load):
+                return
             self.finish(load, False, "io_error", self.report(
                 load, "io_error", f"read of {self.store.stripe_paths[int(first['file_index'])]} "
                 f"at offset {int(first['file_offset'])}: {what}"))
@@ -220,11 +228,23 @@ class Loads:
             self.finish(load, True)
         else:
             self.counters["n_checksum_error"] += 1
+            if self.retry(load):
+                return
             stripe, offset = block_location(error.block, self.store.manifest.block_size,
                                             self.store.manifest.parallelism)
             self.report(load, "checksum", f"checksum mismatch in block {error.block} "
                         f"({self.store.stripe_paths[stripe]} at offset {offset})")
             self.finish(load, False, "checksum", str(error))
+
+    def retry(self, load: Load) -> bool:
+        """Read a failed load again if it has attempts left (its waiters stay parked); False
+        when it has none, and the caller fails it."""
+        if load.attempts >= READ_ATTEMPTS or self.engine.failed:
+            return False
+        load.attempts += 1
+        self.counters["n_read_retry"] += 1
+        self.start([load])
+        return True
 
     def finish(self, load: Load, ok: bool, code: str = "", message: str = "") -> None:
         for waiter in self.core.finish_load(load.key, ok, code, message):

@@ -402,6 +402,10 @@ METRICS: dict[str, dict[str, Metric]] = {
                             "checksum)."),
         "n_checksum_error": _c("checksum_errors", "Blocks whose checksum did not match."),
         "n_io_error": _c("io_errors", "Reads that the IO engine reported failed."),
+        "n_read_retry": _c("read_retries", "Failed expert reads read once more before their "
+                           "requests get the error."),
+        "bad_experts": _g("bad_experts", "Experts whose load failed after its retry (each "
+                          "logged once with its store file and offset)."),
         "n_byte_read": _c("read_bytes", "Bytes read from the store."),
         "n_byte_loaded": _c("loaded_bytes", "Bytes of experts loaded into the arena."),
         "n_prefetch_hint": _c("prefetch_hints", "Prefetch hints received from workers."),
