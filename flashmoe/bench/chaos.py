@@ -19,7 +19,9 @@ The faults are listed in ``chaos_faults.FAULTS`` (``--faults`` picks some). A ro
                of the fault, or did not exit within 40 s of SIGTERM;
   wrong_bytes  bytes served that differ from the store's true bytes (the verifier, see
                ``chaos_probes``) and bytes of completions that differ from the answer before the
-               fault;
+               fault (an answer the server declares computed without a bad expert,
+               ``X-FlashMoE-Routed-Around``, is counted in ``degraded`` instead, and fails
+               the run under any fault but ``corrupt-block``);
   leaks        processes, socket files, /dev/shm arenas, fds grown, and runtime folders kept
                after a clean exit, summed (``leak_detail`` by kind);
   recover_s    from the fault to the first moment everything answered again (p50, p99 over the
@@ -118,6 +120,7 @@ def row(fault: str, target: str, results: list[RunResult]) -> dict:
             "recovered": sum(r.recovered for r in results),
             "hangs": sum(r.hangs for r in results),
             "wrong_bytes": sum(r.wrong_bytes for r in results),
+            "degraded": sum(r.degraded for r in results),
             "leaks": sum(detail.values()),
             "recover_s_p50": percentile(times, 50), "recover_s_p99": percentile(times, 99),
             "leak_detail": {**detail, "examples": examples},

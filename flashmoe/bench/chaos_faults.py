@@ -38,6 +38,7 @@ class Fault:
     recovered: Callable[..., bool] = lambda run: True
     replaces: tuple[str, ...] = ()  # roles the fault ends (every other one must live on)
     api_down_expected: bool = False  # serve's API process itself is the victim
+    degrades: bool = False  # serve may answer without a bad expert (declared, not compared)
     needs_redis: bool = False
 
 
@@ -205,7 +206,7 @@ FAULTS = (
           kill("worker"), took_effect=killed_and_replaced, replaces=("worker",),
           api_down_expected=True),
     Fault("corrupt-block", "flip bytes of one expert's block in the target's store copy",
-          corrupt_block, took_effect=load_errors_seen),
+          corrupt_block, took_effect=load_errors_seen, degrades=True),
     Fault("eio", f"every {EIO_EVERY}th read fails with EIO (FMIO_FAULT=eio:{EIO_EVERY})",
           under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=reads_failed),
     Fault("slow-read", "the cache manager's reads throttled (blkio cgroup) past "

@@ -72,6 +72,7 @@ class RunResult:
     recovered: bool = False
     hangs: int = 0
     wrong_bytes: int = 0
+    degraded: int = 0  # serve's answers declared computed without a bad expert
     leaks: dict[str, int] = field(default_factory=dict)
     leak_examples: list[str] = field(default_factory=list)
     recover_s: float | None = None
@@ -406,6 +407,11 @@ class ChaosRun:
             self.result.wrong_bytes += probe.out.wrong_bytes
             if probe.out.counts.get("wrong") or probe.out.counts.get("hang"):
                 self.note(f"{name}: {probe.out.counts} {probe.out.notes}")
+            degraded = probe.out.counts.get("degraded", 0)
+            self.result.degraded += degraded
+            if degraded and not self.fault.degrades:
+                self.note(f"not expected: {degraded} answers computed without some experts "
+                          f"(X-FlashMoE-Routed-Around) under {self.fault.name}")
 
     def stop(self) -> int | None:
         if self.proc is None:

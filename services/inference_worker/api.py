@@ -11,7 +11,9 @@ of them (an unknown route, a wrong method and a refused Host too). A request who
 is not allowed (``ServingState.allowed_hosts``: the loopback names, the listening address and
 ``serve.allowed_hosts``) gets 400 ``host_not_allowed`` before any route (DNS rebinding). A
 request that fails because experts could not be loaded gets 502 ``expert_load_failed`` (the
-layer, the experts and why); one that loses the cache manager gets 503 ``cache_restarted``.
+layer, the experts and why); experts whose blocks are bad are then routed around (see the
+engine): ``/health`` says ``degraded`` with their list, and every answer carries the header
+``X-FlashMoE-Routed-Around``. One that loses the cache manager gets 503 ``cache_restarted``.
 The schema (``app.openapi()``, not served) describes the request bodies.
 """
 
@@ -243,6 +245,11 @@ def make_app(state: ServingState) -> FastAPI:
         if state.engine is None:
             return JSONResponse({"status": "loading" if not state.load_error else "failed",
                                  "error": state.load_error or None}, status_code=503)
+        degraded = state.engine.degraded()
+        if degraded:  # serving, with experts routed around: say which and what to do
+            return {"status": "degraded", "routed_around": degraded,
+                    "fix": "a bad block: run `flashmoe verify` on the store, convert it "
+                           "again, restart"}
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -353,7 +360,8 @@ def make_app(state: ServingState) -> FastAPI:
                         job.cancel()
 
             return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache",
+                                              **routed_around_header(engine)})
 
         pieces = []
         try:
@@ -375,9 +383,9 @@ def make_app(state: ServingState) -> FastAPI:
             job.cancel()
             raise
         text = "".join(pieces)
-        return {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": [_choice(chat, text, payload["finish_reason"])],
-                "usage": _usage(payload)}
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [_choice(chat, text, payload["finish_reason"])],
+                             "usage": _usage(payload)}, headers=routed_around_header(engine))
 
     @app.get("/stats")
     async def stats():
@@ -425,6 +433,16 @@ def _usage(done: dict) -> dict:
     return {"prompt_tokens": done["prompt_tokens"],
             "completion_tokens": done["completion_tokens"],
             "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+
+
+def routed_around_header(engine) -> dict[str, str]:
+    """``X-FlashMoE-Routed-Around: L:E,...`` while the model is computed without experts
+    whose blocks are bad (an answer may differ from the whole model's), else nothing."""
+    degraded = engine.degraded()
+    if not degraded:
+        return {}
+    return {"X-FlashMoE-Routed-Around": ",".join(f"{d['layer']}:{d['expert']}"
+                                                 for d in degraded)}
 
 
 def serving_stats(state: ServingState) -> dict:

@@ -18,7 +18,10 @@ and per decode step goes to the feature extractor. A request that is cancelled (
 went away) leaves at the next step; when no sequence is left the engine's pins are released.
 
 Nothing of a step that fails is emitted: a failed load (``ExpertLoadError``) fails the requests
-that routed to those experts with that error, the others go on; a lost cache manager (restarted,
+that routed to those experts with that error, the others go on; an expert whose block is bad
+(its load failed twice in the cache manager) is then routed around (``ModelRunner.reroute``, at
+most ``serve.route_around`` of them), so it costs the requests that met it first, not every
+later one; a lost cache manager (restarted,
 or this worker dropped after a freeze: ``CacheManagerUnavailable``) has the step done again on
 a new connection, each sequence's KV cache rewound to where the step began (``Engine.step``).
 """
@@ -175,8 +178,11 @@ class Engine:
                  release: Callable[[], None], hint=None, publisher=None,
                  set_step: Callable[[int], None] = lambda step: None,
                  lost: Callable[[], bool] = lambda: False,
-                 max_queue: int = 64, max_batch: int = 8) -> None:
+                 max_queue: int = 64, max_batch: int = 8, route_around: int = -1) -> None:
         self.runner, self.tokenizer = runner, tokenizer
+        total = len(runner.moe_layers) * runner.num_experts
+        # bad experts the model may be computed without (-1: 1% of them, at least one)
+        self.route_around_max = max(1, total // 100) if route_around < 0 else route_around
         self.lost = lost
         self.max_request, self.release, self.hint = max_request, release, hint
         self.publisher, self.set_step = publisher, set_step
@@ -193,7 +199,7 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.stats = {"requests": 0, "requests_finished": 0, "requests_cancelled": 0,
                       "requests_failed": 0, "requests_rejected": 0, "tokens_generated": 0,
-                      "steps_redone": 0,
+                      "steps_redone": 0, "experts_routed_around": 0, "rows_routed_around": 0,
                       "prompt_tokens": 0, "steps": 0, "max_batch": 0,
                       "lookahead_hinted": 0, "lookahead_hits": 0, "lookahead_samples": 0,
                       "router_lookahead_hints": 0}
@@ -317,6 +323,7 @@ class Engine:
             failure = PinsLost("the cache manager dropped this worker during the step: its "
                                "slots may hold other experts now")
         self.stats["steps"] += 1
+        self.stats["rows_routed_around"] = self.runner.rows_routed_around
         self.stats["max_batch"] = max(self.stats["max_batch"], len(sequences))
         if failure is None:
             self.lost_steps = 0
@@ -337,6 +344,7 @@ class Engine:
                       if needs(routing, failure.layer, failure.experts)] or sequences
             log.warning("%d of %d requests of a step failed: %s", len(failed), len(sequences),
                         failure)
+            self._route_around(failure)
         else:
             log.warning("a step of %d sequences failed: %r", len(sequences), failure)
             failed = sequences
@@ -348,6 +356,35 @@ class Engine:
             seq.request.emit("error", failure)
             self.stats["requests_failed"] += 1
         self.active = [s for s in self.active if s not in failed]
+
+    def _route_around(self, failure: ExpertLoadError) -> None:
+        """Experts whose load failed with a bad block (``checksum``/``io_error``: the cache
+        manager read them twice) are computed without from now on, up to
+        ``route_around_max`` of them; beyond that every request needing one fails."""
+        if failure.code not in ("checksum", "io_error"):
+            return
+        routed = self.runner.routed_around
+        new = [e for e in failure.experts if e not in routed.get(failure.layer, ())]
+        have = sum(len(experts) for experts in routed.values())
+        if not new or have + len(new) > self.route_around_max:
+            if new:
+                log.error("layer %d experts %s cannot be loaded (%s) and %d are already routed "
+                          "around (serve.route_around = %d): requests that need them fail; "
+                          "run `flashmoe verify` on the store", failure.layer, new,
+                          failure.code, have, self.route_around_max)
+            return
+        self.runner.route_around(failure.layer, new)
+        self.stats["experts_routed_around"] = have + len(new)
+        log.error("layer %d experts %s cannot be loaded (%s): the model is computed without "
+                  "them from now on (each top-k that chooses one gives its share to the "
+                  "others); run `flashmoe verify` on the store and convert it again",
+                  failure.layer, new, failure.code)
+
+    def degraded(self) -> list[dict]:
+        """The experts routed around, as ``[{"layer", "expert"}]`` (empty: the model whole)."""
+        return [{"layer": layer, "expert": expert}
+                for layer, experts in sorted(self.runner.routed_around.items())
+                for expert in sorted(experts)]
 
     def _forwards(self, sequences: list[_Sequence], routings: list[dict]
                   ) -> tuple[list, Exception | None]:

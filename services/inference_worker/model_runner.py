@@ -139,7 +139,7 @@ class StepGroup:
             self.hints.setdefault(ahead, set()).update(experts)
         if len(meet.rows) == self.size:
             if self.size == 1 and len(rows) == 1:
-                meet.requests = [list(rows[0])]
+                meet.requests = [list(dict.fromkeys(rows[0]))]  # a rerouted row repeats one
             else:
                 chosen = sorted({e for forward in meet.rows for row in forward for e in row})
                 n = self.max_request
@@ -231,7 +231,9 @@ class ArenaExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         runner = self.runner
         ctx = runner.context()
-        ctx.routing[self.layer] = (top_k_index, top_k_weights)
+        ctx.routing[self.layer] = (top_k_index, top_k_weights)  # the router's own choice
+        if self.layer in runner.routed_around:
+            top_k_index, top_k_weights = runner.reroute(self.layer, top_k_index, top_k_weights)
         ahead = runner.look_ahead(self.layer, hidden_states)
         ctx.lookahead.update(ahead)
         ctx.meet = ctx.group.arrive(self.layer, top_k_index.tolist(), ahead)
@@ -269,6 +271,7 @@ class ModelRunner:
         config = AutoConfig.from_pretrained(str(store_path))
         self.dtype = dtype or _dtype_of(config)
         self.top_k = int(getattr(config, self.family.top_k_key))
+        self.num_experts = int(getattr(config, self.family.num_experts_key))
         self.prefill_request_experts = max(prefill_request_experts or self.top_k, self.top_k)
         self.fetch = fetch
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -297,6 +300,10 @@ class ModelRunner:
         self._local = threading.local()
         self.cache = None  # the one-sequence form's KV cache
         self._last_layer: int | None = None  # the layer whose pins the next request drops
+        # Experts whose blocks cannot be loaded (layer -> ids), computed without: see reroute.
+        self.routed_around: dict[int, frozenset[int]] = {}
+        self.rows_routed_around = 0  # (position, layer) rows computed without an expert
+        self._reroute_lock = threading.Lock()
 
     def _load_non_expert(self, model: nn.Module, path: Path) -> None:
         from safetensors.torch import load_file
@@ -365,7 +372,40 @@ class ModelRunner:
             return {}
         with torch.inference_mode():
             index = router(hidden_states[-1:])[-1]
-        return {self.moe_layers[self.moe_layers.index(layer) + 1]: set(index[0].tolist())}
+        after = self.moe_layers[self.moe_layers.index(layer) + 1]
+        return {after: set(index[0].tolist()) - self.routed_around.get(after, frozenset())}
+
+    def route_around(self, layer: int, experts: list[int]) -> None:
+        """From now on compute ``layer`` without ``experts`` (their blocks cannot be loaded):
+        ``reroute`` drops them from every top-k that chooses them."""
+        self.routed_around = {**self.routed_around,
+                              layer: self.routed_around.get(layer, frozenset()) | set(experts)}
+
+    def reroute(self, layer: int, index: torch.Tensor, weights: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A top-k (``index``, ``weights``: positions x k) without the experts routed around
+        at ``layer``: a row that chose one keeps its other experts, their weights scaled to
+        the row's total (they take the dropped expert's share), and the dropped place points
+        at one of them with weight 0 (transformers' eager loop adds it as nothing). A row
+        whose every choice is routed around points at the layer's lowest usable expert with
+        weight 0: its MoE output is zero, the residual carries the position on."""
+        bad = torch.tensor(sorted(self.routed_around[layer]), dtype=index.dtype)
+        dropped = torch.isin(index, bad)
+        if not bool(dropped.any()):
+            return index, weights
+        keep = ~dropped
+        total = weights.sum(-1, keepdim=True)
+        kept = (weights * keep).sum(-1, keepdim=True)
+        scale = torch.where(kept > 0, total / torch.where(kept > 0, kept, 1), 0)
+        new_weights = torch.where(keep, weights * scale, torch.zeros_like(weights))
+        usable = next(e for e in range(len(bad) + 1) if e not in self.routed_around[layer])
+        first_kept = index.gather(-1, keep.to(torch.int8).argmax(-1, keepdim=True))
+        stand_in = torch.where(keep.any(-1, keepdim=True), first_kept,
+                               torch.full_like(first_kept, usable))
+        new_index = torch.where(keep, index, stand_in)
+        with self._reroute_lock:
+            self.rows_routed_around += int(dropped.any(-1).sum())
+        return new_index, new_weights.to(weights.dtype)
 
     def fetch_layer(self, layer: int, experts: list[int], token: str = ""
                     ) -> list[dict[str, torch.Tensor]]:

@@ -150,7 +150,8 @@ def build_engine(config: FlashMoEConfig, store: str | Path, connection: Connecti
                     hint=connection.hint if runner.lookahead else None, publisher=publisher,
                     set_step=connection.set_step, lost=connection.lost,
                     max_queue=config.serve.max_queue,
-                    max_batch=config.serve.max_batch)
+                    max_batch=config.serve.max_batch,
+                    route_around=config.serve.route_around)
     return engine, tokenizer
 
 

@@ -11,20 +11,7 @@ import zmq
 
 from common.cache_client import CacheClient, CacheManagerUnavailable, ExpertLoadError
 from common.protocol import SCHEMA_VERSION, AcquireReq, Decoder, CacheToWorker, Hello, encode
-from common.store import ExpertStore, block_location, stripe_name
-
-
-def flip_byte(store_path, layer, expert, block_index=0):
-    store = ExpertStore.open(store_path)
-    e = store.expert(layer, expert)
-    stripe, offset = block_location(e.first_block + block_index, store.manifest.block_size,
-                                    store.manifest.parallelism)
-    with open(store_path / stripe_name(stripe), "r+b") as f:
-        f.seek(offset + 7)
-        byte = f.read(1)
-        f.seek(offset + 7)
-        f.write(bytes([byte[0] ^ 0x01]))
-    return e.first_block + block_index
+from tests.support.stores import flip_byte
 
 
 def test_corrupt_block_fails_that_expert_and_service_stays_up(store_copy, start_manager):
@@ -40,7 +27,9 @@ def test_corrupt_block_fails_that_expert_and_service_stays_up(store_copy, start_
         with pytest.raises(ExpertLoadError):  # and the bad one is not cached as good
             client.acquire(1, [3])
         stats = client.stats()
-    assert stats["n_checksum_error"] == 2 and manager.proc.poll() is None
+    # two acquires, each reading the bad expert twice (the retry) before it fails
+    assert stats["n_checksum_error"] == 4 and stats["n_read_retry"] == 2
+    assert manager.proc.poll() is None
 
 
 def test_killed_manager_gives_typed_error_quickly(tiny_store, start_manager):

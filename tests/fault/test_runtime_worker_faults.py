@@ -16,7 +16,7 @@ from common.cache_client import CacheClient
 from common.traces import Trace, save_trace
 from flashmoe.runtime.launch import child_env, cli_command
 from services.inference_worker.process import TraceWorker
-from tests.fault.test_faults import flip_byte
+from tests.support.stores import flip_byte
 from tests.support.manager import ManagerHandle
 
 BAD = (1, 3)  # (layer, expert) whose block is damaged

@@ -21,7 +21,7 @@ from common.cache_client import (CacheClient, ExpertLoadError, PinsLost, Request
 from common.protocol import AcquireError, AcquireReq, CacheToWorker, Decoder, Hello, encode
 from flashmoe.runtime.launch import start_cache_manager, stop_process
 from services.cache_manager.process import EXIT_ARENA_LOST
-from tests.fault.test_faults import flip_byte
+from tests.support.stores import flip_byte
 from tests.support.uring import uring_available
 
 URING_OK, URING_WHY = uring_available()

@@ -6,11 +6,13 @@ engine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.cache_client import CacheClient, ExpertLoadError
 from services.inference_worker.engine import Engine, Request, SamplingParams
 from services.inference_worker.generate import arena_fetch, load_tokenizer
 from services.inference_worker.model_runner import ModelRunner
+from tests.support.stores import flip_byte
 
 PROMPTS = ["FlashMoE keeps", "The cache manager", "Experts live on SSD in a striped store"]
 
@@ -39,7 +41,13 @@ def run(engine: Engine, prompts: list[str], tokenizer, n: int = 8) -> list[dict]
 
 @pytest.fixture
 def engine_parts(tiny_store, start_manager):
-    manager = start_manager(tiny_store, "cache.capacity_experts=6")
+    yield from parts_over(tiny_store, start_manager)
+
+
+def parts_over(store, start_manager):
+    """A client of a real cache manager of ``store`` (6 slots), a runner fetching through it
+    with every fetch recorded, the tokenizer, and the record."""
+    manager = start_manager(store, "cache.capacity_experts=6")
     with CacheClient(manager.endpoint) as client:
         fetches = []
         fetch = arena_fetch(client)
@@ -48,12 +56,13 @@ def engine_parts(tiny_store, start_manager):
             fetches.append((layer, list(experts)))
             return fetch(layer, experts, release, token)
 
-        runner = ModelRunner(tiny_store, watched)
-        yield client, runner, load_tokenizer(tiny_store), fetches
+        yield client, ModelRunner(store, watched), load_tokenizer(store), fetches
 
 
-def make_engine(client, runner, tokenizer, max_request: int, max_batch: int) -> Engine:
-    return Engine(runner, tokenizer, max_request, release=client.release, max_batch=max_batch)
+def make_engine(client, runner, tokenizer, max_request: int, max_batch: int,
+                route_around: int = -1) -> Engine:
+    return Engine(runner, tokenizer, max_request, release=client.release, max_batch=max_batch,
+                  route_around=route_around)
 
 
 def test_sequences_together_get_their_solo_answers_with_shared_fetches(engine_parts):
@@ -136,7 +145,7 @@ def test_a_failed_load_fails_the_request_that_needs_it_and_the_others_go_on(engi
         return real(layer, experts, release, token)
 
     runner.fetch = failing
-    engine = make_engine(client, runner, tokenizer, 6, 3)
+    engine = make_engine(client, runner, tokenizer, 6, 3, route_around=0)
     together = run(engine, PROMPTS, tokenizer)
     assert injected, "no expert routed to by one sequence alone: nothing injected"
     failed = [i for i, r in enumerate(together) if "error" in r]
@@ -190,3 +199,53 @@ def test_a_restarted_cache_manager_costs_no_request_and_changes_no_answer(tiny_s
         [r["done"]["token_ids"] for r in reference]
     assert ["".join(r["pieces"]) for r in results] == ["".join(r["pieces"]) for r in reference]
     assert serving.stats["steps_redone"] >= 1
+
+
+BAD = (1, 3)  # the expert whose block the bad-block tests damage: layer 1, expert 3
+
+
+@pytest.fixture
+def bad_block_parts(store_copy, start_manager):
+    flip_byte(store_copy, *BAD)
+    yield from parts_over(store_copy, start_manager)
+
+
+def test_a_bad_block_costs_the_requests_that_met_it_then_is_routed_around(bad_block_parts):
+    """A real bad block (a flipped bit, its checksum failing twice in the cache manager):
+    the requests of the step that needed it fail with the typed error; from then on the
+    expert is never asked for again, and every request is answered."""
+    client, runner, tokenizer, fetches = bad_block_parts
+    engine = make_engine(client, runner, tokenizer, 6, 3)
+    first = run(engine, PROMPTS, tokenizer)
+    failed = [r["error"] for r in first if "error" in r]
+    assert failed and all(isinstance(e, ExpertLoadError) and e.code == "checksum" and
+                          (e.layer, e.experts) == (BAD[0], [BAD[1]]) for e in failed)
+    assert engine.degraded() == [{"layer": BAD[0], "expert": BAD[1]}]
+    assert engine.stats["experts_routed_around"] == 1
+    checksum_errors = client.stats()["n_checksum_error"]
+    fetches.clear()
+    second = run(engine, PROMPTS, tokenizer)
+    assert all("done" in r and len(r["done"]["token_ids"]) == 8 for r in second)
+    assert not any(layer == BAD[0] and BAD[1] in experts for layer, experts in fetches)
+    assert client.stats()["n_checksum_error"] == checksum_errors
+    assert engine.stats["rows_routed_around"] > 0  # the tiny model's router does choose it
+
+
+def test_route_around_zero_fails_every_request_that_needs_the_bad_expert(bad_block_parts):
+    client, runner, tokenizer, _ = bad_block_parts
+    engine = make_engine(client, runner, tokenizer, 6, 3, route_around=0)
+    for _ in range(2):
+        assert any("error" in r for r in run(engine, PROMPTS, tokenizer))
+    assert engine.degraded() == [] and engine.stats["experts_routed_around"] == 0
+
+
+def test_reroute_gives_a_dropped_expert_s_share_to_the_others(tiny_store):
+    runner = ModelRunner(tiny_store)
+    runner.route_around(1, [3, 5])
+    index = torch.tensor([[3, 1], [2, 4], [5, 3], [0, 5]])
+    weights = torch.tensor([[0.6, 0.2], [0.7, 0.3], [0.5, 0.5], [0.25, 0.5]])
+    new_index, new_weights = runner.reroute(1, index, weights)
+    assert new_index.tolist() == [[1, 1], [2, 4], [0, 0], [0, 0]]
+    assert torch.allclose(new_weights, torch.tensor([[0.0, 0.8], [0.7, 0.3], [0.0, 0.0],
+                                                     [0.75, 0.0]]))
+    assert runner.rows_routed_around == 3 and 0 not in runner.routed_around

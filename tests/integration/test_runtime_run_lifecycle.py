@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flashmoe.runtime.launch import child_env
-from tests.fault.test_faults import flip_byte
+from tests.support.stores import flip_byte
 from tests.fault.test_run_faults import pids_of_run
 from tests.integration.test_run_user_store import tiny_trace
 from tests.support.run_output import RunOutput, summary_of
