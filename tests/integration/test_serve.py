@@ -81,7 +81,8 @@ def generate_cli(store, prompt: str, n: int, tmp_path: Path) -> tuple[str, dict]
     """`flashmoe generate`'s stdout and its --json result."""
     result = tmp_path / "generate.json"
     out = subprocess.run(cli_command("generate", "--store", str(store), "--prompt", prompt,
-                                     "--max-new-tokens", str(n), "--json", str(result)),
+                                     "--max-new-tokens", str(n), "--json", str(result),
+                                     "--home", str(tmp_path / "generate-home")),
                          env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip(), json.loads(result.read_text())
