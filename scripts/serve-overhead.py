@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,24 +42,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from flashmoe.bench.local import free_port  # noqa: E402
+from flashmoe.runtime.launch import child_env, cli_command  # noqa: E402
+
 TEMPERATURE = 1.0
 PROMPT = "The cache manager evicts the expert needed last and prefetches what is needed soonest."
 READY_S = 300.0
-
-
-def flashmoe(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flashmoe", *args]
-
-
-def env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -68,11 +55,11 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(work / f"{name}.log", "w")
-        cmd = flashmoe("serve", store, "--home", str(work / f"home-{name}"),
+        cmd = cli_command("serve", store, "--home", str(work / f"home-{name}"),
                        "--set", f"serve.port={self.port}", "--set", "panel.port=0",
                        "--set", f"cache.capacity_experts={capacity}",
                        *[x for s in settings for x in ("--set", s)])
-        self.proc = subprocess.Popen(cmd, env=env(), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=child_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
     def wait_ready(self) -> None:
@@ -106,7 +93,6 @@ class InProcess:
     as a server's are, so that both meet a cache that has seen the earlier rounds."""
 
     def __init__(self, store: str, capacity: int, work: Path) -> None:
-        import flashmoe  # noqa: F401  (first: single-threaded BLAS, as in every FlashMoE process)
         from common.config import load_config
         from common.store import ExpertStore
         from flashmoe.runtime.launch import Launcher
@@ -141,11 +127,11 @@ class InProcess:
 
 def run_bench(server: Server, tokens: int, seed: int, work: Path) -> dict:
     out = work / "bench.json"
-    subprocess.run(flashmoe("serve-bench", "--url", server.url, "--prompts", "1",
+    subprocess.run(cli_command("serve-bench", "--url", server.url, "--prompts", "1",
                             "--concurrency", "1", "--max-tokens", str(tokens), "--prompt",
                             PROMPT, "--temperature", str(TEMPERATURE), "--seed", str(seed),
                             "--json", str(out)),
-                   env=env(), check=True, stdout=subprocess.DEVNULL)
+                   env=child_env(), check=True, stdout=subprocess.DEVNULL)
     (row,) = json.loads(out.read_text())["results"]
     return {"ms_per_token": row["tpot_ms_p50"], "itl_ms_p50": row["itl_ms_p50"],
             "ttft_ms_p50": row["ttft_ms_p50"], "hit_rate": row["hit_rate"],

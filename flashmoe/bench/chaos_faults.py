@@ -155,7 +155,7 @@ def freeze_worker(run) -> float:
 
 def restart_redis(run) -> float:
     began = time.monotonic()
-    run.redis.stop()
+    run.redis.stop(kill=True)
     deadline = began + REDIS_DOWN_S
     while time.monotonic() < deadline:
         run.sample_cluster(outage=True)

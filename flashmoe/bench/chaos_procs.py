@@ -1,5 +1,5 @@
-"""`flashmoe chaos`'s hold on real processes: the target's process tree, the helpers it starts
-(a redis-server, a throttled block-IO cgroup) and what a run can leave behind.
+"""`flashmoe chaos`'s hold on real processes: the target's process tree, the throttled block-IO
+cgroup it starts, and what a run can leave behind (its redis-server is ``local.RedisServer``).
 
 ``ProcessTree`` walks /proc every ``POLL_S`` for the target's descendants and remembers every
 one it saw by (pid, start time): a pid is only ever signalled while its start time is still
@@ -13,10 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -185,51 +182,6 @@ def sockets_under(*folders: Path) -> list[Path]:
         if folder.is_dir():
             found += [p for p in folder.rglob("*") if p.is_socket()]
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A real redis-server on a free loopback port, without persistence; restartable."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.folder), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
 
 
 class ThrottledReads:

@@ -35,8 +35,9 @@ from common.bus import ServiceUnavailable, control_endpoint_for, health, ipc_end
 from common.config import load_config
 from flashmoe.bench.chaos_faults import Fault
 from flashmoe.bench.chaos_probes import ServeLoad, TrueBytes, Verifier
-from flashmoe.bench.chaos_procs import (ProcessTree, RedisServer, arena_pids, fd_kinds,
-                                        free_port, proc_stat, sockets_under)
+from flashmoe.bench.chaos_procs import (ProcessTree, arena_pids, fd_kinds, proc_stat,
+                                        sockets_under)
+from flashmoe.bench.local import RedisServer, free_port
 from flashmoe.runtime.launch import child_env, cli_command
 
 READ_TIMEOUT_S = 2.0  # io.read_timeout_s of every target
@@ -167,7 +168,7 @@ class ChaosRun:
         tmp.mkdir()
         settings = [*SETTINGS, f"panel.port={self.panel_port}", *self.fault.settings]
         if self.fault.needs_redis:
-            self.redis = RedisServer(self.folder)
+            self.redis = RedisServer("--dir", str(self.folder), "--protected-mode", "yes").start()
             settings.append(f"cluster.redis_url={self.redis.url}")
         if self.assets.target == "run":
             words = ["run", "--store", str(self.store_copy), "--trace", self.assets.trace,

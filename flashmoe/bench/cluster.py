@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
-import socket
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from common.cluster import (
     PARTS,
@@ -37,6 +33,7 @@ from common.cluster import (
     predictor_values,
 )
 from common.config import FlashMoEConfig
+from flashmoe.bench.local import RedisServer
 from flashmoe.cli.options import (add_config_flags, add_device, add_json, add_plot,
                                   add_traces_dir, config, save, traces_dir)
 from common.traces import DEFAULT_TRACES_DIR, TokenStream, Trace, first_sequences, load_trace
@@ -48,47 +45,6 @@ from services.predictor.sharing import learner_patterns, write_predictor_checkpo
 
 PEER, DEVICE = "peer-train", "new-device"
 EARLY = (100, 250, 500)  # also reported: the hit rate over the first this many tokens
-
-
-class RedisServer:
-    """A ``redis-server`` child on a free port, without persistence (``args``: more of its
-    options); ``stop`` and ``start`` again keep the port (a restarted Redis, empty). The
-    cluster benchmark's private Redis, and the tests'."""
-
-    def __init__(self, *args: str) -> None:
-        self.binary = shutil.which("redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.args, self.proc = args, None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        if self.binary is None:
-            raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it); "
-                               "or pass --redis URL")
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind",
-                                      "127.0.0.1", "--save", "", "--appendonly", "no",
-                                      *self.args], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start within 10 s") from None
-                time.sleep(0.05)
-
-    def stop(self, kill: bool = False) -> None:
-        """Terminate it (``kill``: SIGKILL, a crashed Redis)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            self.proc.wait(10)
-
-    def client(self, password: str | None = None) -> redis.Redis:
-        return redis.Redis.from_url(self.url, password=password)
 
 
 def _link(config: FlashMoEConfig, url: str, device: str, fingerprint: str) -> ClusterLink:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flashmoe.bench.chaos_procs import SHM_DIR, ProcessTree, free_port
+from flashmoe.bench.chaos_procs import SHM_DIR, ProcessTree
+from flashmoe.bench.local import free_port
 from flashmoe.cli.options import add_json
 from flashmoe.reports import write_json
 from flashmoe.runtime.launch import child_env, cli_command

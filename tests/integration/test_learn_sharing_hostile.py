@@ -29,7 +29,7 @@ from common.cluster import (
 )
 from common.config import load_config
 from common.store import ExpertStore
-from flashmoe.bench.cluster import RedisServer
+from flashmoe.bench.local import RedisServer
 from flashmoe.runtime.launch import Launcher
 from flashmoe.sim.learning import Learning
 from services.feature_extractor.core import ExtractorCore

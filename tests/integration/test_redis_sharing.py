@@ -29,7 +29,7 @@ from common.cluster import (
     predictor_values,
 )
 from common.config import load_config
-from flashmoe.bench.cluster import RedisServer
+from flashmoe.bench.local import RedisServer
 from flashmoe.sim.learning import Learning, cluster_shape
 from services.feature_extractor.sharing import apply_to_extractor, extractor_patterns
 from services.predictor.sharing import learner_patterns, write_predictor_checkpoint

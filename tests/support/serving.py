@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from flashmoe.bench.chaos_procs import free_port
+from flashmoe.bench.local import free_port
 from flashmoe.runtime.launch import child_env, cli_command
 
 READY_TIMEOUT_S = 120.0
