@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -184,14 +185,19 @@ def wait_healthy(proc: subprocess.Popen, control_endpoint: str, log_path: Path |
                                         f"of its log ({log_path}):\n{tail}") from None
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
-    """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0, sig: int = signal.SIGTERM,
+                 kill_group: bool = False) -> int:
+    """``sig`` (SIGTERM), then SIGKILL after ``timeout_s`` (to the process's whole group with
+    ``kill_group``: a child started with ``start_new_session``); returns the exit code."""
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(sig)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            if kill_group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
             proc.wait()
     return proc.returncode
 

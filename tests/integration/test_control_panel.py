@@ -10,7 +10,6 @@ tests do, with the worker paced at TOKEN_MS so that two shared cores are not sat
 import json
 import re
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from common.config import describe_fields, load_config
 from common.traces import load_gptoss20b
-from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.runtime.launch import child_env, cli_command, stop_process
 from flashmoe.tools.synth_store import synth_store
 from tests.support.traces import sequences_slice
 
@@ -72,14 +71,7 @@ class LiveRun:
         raise AssertionError("flashmoe run printed no panel URL:\n" + "\n".join(self.lines))
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, 60)
 
 
 @pytest.fixture(scope="module")

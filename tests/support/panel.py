@@ -18,7 +18,7 @@ import zmq
 
 from common.bus import ControlServer
 from common.config import load_config
-from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.runtime.launch import child_env, cli_command, stop_process
 
 TOKEN = "exposure-test-token-7f3a"
 REDIS_PASSWORD = "hunter2-in-the-url"
@@ -143,14 +143,7 @@ class PanelProcess:
             conn.close()
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, 30, sig)
 
 
 @contextmanager

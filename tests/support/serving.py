@@ -5,8 +5,6 @@ outlives its grace period)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -14,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from flashmoe.bench.local import free_port
-from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.runtime.launch import child_env, cli_command, stop_process
 
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 30.0
@@ -64,14 +62,7 @@ class Server:
         return self.get("/stats")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, STOP_GRACE_S, kill_group=True)
 
     def __enter__(self) -> "Server":
         return self
