@@ -38,7 +38,7 @@ from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, read_chec
                                 write_durably,
                                 write_text_durably)
 
-from .checks import check_probs, check_routing
+from common.checks import check_probs, check_routing
 
 # The per-expert features, in their column order (the FeatureBatch's per_expert rows).
 FEATURES = ("used_last", "prob_last", "recent_freq", "medium_freq", "long_run_freq", "recency",

@@ -38,7 +38,7 @@ from common.service import Service, run_service_process
 from common.store import ExpertStore
 from common.threads import prepare_learning_path
 
-from .checks import Dropped
+from common.checks import Dropped
 from .core import CHECKPOINT_FILES, FEATURES, ExtractorCore, load_checkpoint, save_checkpoint
 from .sharing import apply_to_extractor, extractor_patterns
 

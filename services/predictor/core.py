@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from common.checkpoints import (CheckpointDamaged, CheckpointMismatch, read_checkpoint,
                                 write_durably,
                                 write_text_durably)
+from common.checks import Dropped, check_routing
 from common.config import PredictorConfig
 
 from . import fast_infer
@@ -369,22 +370,14 @@ class Learner:
 CHECKPOINT_FILES = ("predictor.safetensors", "predictor.json")
 
 
-class Dropped(ValueError):
-    """A FeatureBatch whose values do not fit the model or the session; ``reason`` names the
-    check (the predictor's stats counter ``dropped_<reason>``)."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
 def check_batch(batch, layers: int, experts: int, top_k: int, dims: int | None = None,
                 features: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(z (layers, dims) float32, x (layers * experts, features) float32, routing (layers,
     top_k) int64) of a FeatureBatch checked against the model and the session's shape
     (``dims``, ``features``: those of the session's first batch; None before it). ``Dropped``
-    with ``layers``, ``experts_per_layer``, ``dims``, ``features``, ``buffer``, ``nonfinite``,
-    ``top_k``, ``expert_range`` or ``duplicate_expert``."""
+    with ``layers``, ``experts_per_layer``, ``dims``, ``features``, ``buffer``, ``nonfinite``
+    or one of ``check_routing``'s reasons (``layers``, ``top_k``, ``expert_range``,
+    ``duplicate_expert``)."""
     if batch.layers != layers:
         raise Dropped("layers", f"a batch of {batch.layers} layers, the model has {layers}")
     if batch.experts_per_layer != experts:
@@ -401,18 +394,7 @@ def check_batch(batch, layers: int, experts: int, top_k: int, dims: int | None =
         raise Dropped("buffer", f"buffers of {len(batch.per_layer)} and "
                                 f"{len(batch.per_expert)} bytes, expected {4 * layers * dims} "
                                 f"and {2 * layers * experts * features}")
-    if len(batch.experts) != layers or any(len(row) != top_k for row in batch.experts):
-        raise Dropped("top_k", f"routing of {len(batch.experts)} rows, expected {layers} rows "
-                               f"of {top_k}")
-    try:
-        routing = np.asarray(batch.experts, np.int64).reshape(layers, top_k)
-    except (OverflowError, TypeError, ValueError):  # an id past int64, or not an id
-        raise Dropped("expert_range", "an expert id that is no int64") from None
-    if routing.size and not (0 <= routing.min() and routing.max() < experts):
-        raise Dropped("expert_range", f"expert id {int(routing.max())}, the model has "
-                                      f"{experts} a layer")
-    if len({(layer, int(e)) for layer, row in enumerate(routing) for e in row}) != routing.size:
-        raise Dropped("duplicate_expert", "an expert twice in one layer's top-k")
+    routing = check_routing(batch.experts, layers, experts, top_k)
     z = np.frombuffer(batch.per_layer, np.float32).reshape(layers, dims).copy()
     x = np.frombuffer(batch.per_expert, np.float16).reshape(layers * experts, features)
     if not (np.isfinite(z).all() and np.isfinite(x).all()):

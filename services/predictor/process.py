@@ -24,6 +24,7 @@ import zmq
 
 from common.bus import Publisher, SeqGaps, Subscriber
 from common.checkpoints import Throttle, arm_checkpoint_fault, resume
+from common.checks import Dropped
 from common.cluster import (
     ClusterAgent,
     ModelShape,
@@ -40,7 +41,6 @@ from common.threads import prepare_learning_path
 
 from .core import (
     CHECKPOINT_FILES,
-    Dropped,
     Learner,
     check_batch,
     next_token_recall,

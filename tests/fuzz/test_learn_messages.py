@@ -8,10 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.protocol import AccessEvent, Decoder, FeatureBatch, LearningMessage, encode
-from services.feature_extractor.checks import Dropped
+from common.checks import Dropped
 from services.feature_extractor.core import ExtractorCore
 from services.feature_extractor.sharing import predictor_inputs
-from services.predictor.core import Dropped as BatchDropped
 from services.predictor.core import Learner, check_batch
 
 L, E, K, PCA = 3, 8, 2, 4
@@ -96,7 +95,7 @@ def test_hostile_feature_batches_are_taken_or_dropped(batch):
     batch = BUS.decode(encode(batch))
     try:
         z, x, routing = check_batch(batch, L, E, K, DIMS, FEATURES)
-    except BatchDropped:
+    except Dropped:
         pass
     else:
         S = LEARNER.predict(x, z)

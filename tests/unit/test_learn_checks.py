@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from common.protocol import FeatureBatch
-from services.feature_extractor.checks import Dropped
-from services.predictor.core import Dropped as BatchDropped
+from common.checks import Dropped
 from services.feature_extractor.core import ExtractorCore
 from services.feature_extractor.sharing import predictor_inputs
 from services.predictor.core import Learner, check_batch
@@ -92,14 +91,15 @@ def check(b: FeatureBatch):
     ({"per_layer": b"\0" * 7}, "buffer"),
     ({"per_expert": b""}, "buffer"),
     ({"experts": [[0, E + 5]] * L}, "expert_range"),
-    ({"experts": [[0, 1]] * (L + 2)}, "top_k"),
+    ({"experts": [[0, 1]] * (L + 2)}, "layers"),
+    ({"experts": [[0, 1, 2]] * L}, "top_k"),
     ({"experts": [[0, 0]] * L}, "duplicate_expert"),
     ({"dims": 0, "per_layer": b""}, "dims"),
     ({"per_layer": np.full((L, 4), np.nan, np.float32).tobytes()}, "nonfinite"),
     ({"per_expert": np.full((L * E, 15), np.inf, np.float16).tobytes()}, "nonfinite"),
 ])
 def test_the_predictor_drops_a_batch_that_does_not_fit(changes, reason):
-    with pytest.raises(BatchDropped) as caught:
+    with pytest.raises(Dropped) as caught:
         check(batch(**changes))
     assert caught.value.reason == reason
 

@@ -4,7 +4,9 @@ The bus decodes a message by its schema (types, lengths); these checks hold its 
 against the model and the session: a token's routing has one row per MoE layer, top-k
 distinct expert ids below the layer's expert count, router probabilities of the same shape
 and finite. A message that fails raises ``Dropped`` with a short ``reason``; the services
-count it as ``dropped_<reason>`` in their stats, log it at a bounded rate and go on.
+count it as ``dropped_<reason>`` in their stats, log it at a bounded rate and go on. The
+feature extractor checks AccessEvents with these; the predictor's ``check_batch`` checks a
+FeatureBatch's routing with ``check_routing`` and its feature buffers itself.
 """
 
 from __future__ import annotations
