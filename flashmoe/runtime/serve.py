@@ -216,6 +216,9 @@ def progress_line(s: dict) -> str | None:
     if not s.get("requests"):
         return None
     hit = s.get("hit_rate")
+    around = s.get("experts_routed_around") or 0
     return (f"{s['requests']} requests, {s['tokens_generated']} tokens generated; cache hit "
             f"{hit if hit is not None else '-'}, estimate {s.get('estimate', '?')}, "
-            f"{s.get('estimates_used', 0)} decisions on it")
+            f"{s.get('estimates_used', 0)} decisions on it" +
+            (f"; DEGRADED: {around} expert(s) with a bad block routed around (GET /health "
+             f"names them; run `flashmoe verify` on the store)" if around else ""))
