@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ import zmq
 
 from common.arena import SHM_DIR
 from common.bus import health
-from common.cache_client import (CacheClient, ExpertLoadError, PinsLost, RequestRefused,
-                                 ShapeMismatch)
+from common.cache_client import (CacheClient, CacheManagerUnavailable, ExpertLoadError,
+                                 PinsLost, RequestRefused, ShapeMismatch)
 from common.protocol import AcquireError, AcquireReq, CacheToWorker, Decoder, Hello, encode
 from flashmoe.runtime.launch import start_cache_manager, stop_process
+from services.cache_manager.io_engine import DEFAULT_DRAIN_TIMEOUT_S
+from services.cache_manager.loads import CLOSE_DRAIN_S, EXIT_ENGINE_FAILED
 from services.cache_manager.process import EXIT_ARENA_LOST
 from tests.support.stores import flip_byte
 from tests.support.uring import uring_available
@@ -347,3 +350,34 @@ def test_interrupted_set_up_leaves_no_arena(tiny_store, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         process.CacheManager(config, f"ipc://{tmp_path}/cache.sock", f"ipc://{tmp_path}/c.sock")
     assert {p.name for p in SHM_DIR.iterdir() if p.name.startswith(mine)} == before
+
+
+@pytest.mark.parametrize("engine", ["pread", "uring"])
+def test_a_stuck_read_ends_the_manager_within_its_bounds_not_two_drains(engine, tiny_store,
+                                                                       start_manager):
+    """Every completion held back 60 s, io.read_timeout_s=1: the request gets io_timeout at
+    once (answered before the drain), the failed engine's drain waits one read timeout and
+    the close after it ``CLOSE_DRAIN_S``, so the manager exits for its restart in a few
+    seconds, not after two full drains (2 x DEFAULT_DRAIN_TIMEOUT_S)."""
+    import time
+
+    from services.cache_manager.io_engine import DEFAULT_DRAIN_TIMEOUT_S
+    from services.cache_manager.loads import CLOSE_DRAIN_S, EXIT_ENGINE_FAILED
+
+    if engine == "uring" and not URING_OK:
+        pytest.skip(f"io_uring helper unavailable: {URING_WHY}")
+    manager = start_manager(tiny_store, f"io.engine={engine}", "io.read_timeout_s=1",
+                            env={"FMIO_FAULT": "delay:60000"})
+    with CacheClient(manager.endpoint) as client:
+        asked = time.monotonic()
+        with pytest.raises((ExpertLoadError, CacheManagerUnavailable)) as info:
+            client.acquire(0, [1])
+        answered = time.monotonic() - asked
+    if isinstance(info.value, ExpertLoadError):
+        assert info.value.code == "io_timeout"
+    rc = manager.proc.wait(2 * DEFAULT_DRAIN_TIMEOUT_S + 30)
+    exited = time.monotonic() - asked
+    assert rc == EXIT_ENGINE_FAILED
+    bound = 1 + 1 + CLOSE_DRAIN_S  # the read timeout, the drain, the close
+    assert answered < bound + 3, answered
+    assert exited < bound + 6 < 2 * DEFAULT_DRAIN_TIMEOUT_S, exited
