@@ -359,11 +359,6 @@ def test_a_stuck_read_ends_the_manager_within_its_bounds_not_two_drains(engine, 
     once (answered before the drain), the failed engine's drain waits one read timeout and
     the close after it ``CLOSE_DRAIN_S``, so the manager exits for its restart in a few
     seconds, not after two full drains (2 x DEFAULT_DRAIN_TIMEOUT_S)."""
-    import time
-
-    from services.cache_manager.io_engine import DEFAULT_DRAIN_TIMEOUT_S
-    from services.cache_manager.loads import CLOSE_DRAIN_S, EXIT_ENGINE_FAILED
-
     if engine == "uring" and not URING_OK:
         pytest.skip(f"io_uring helper unavailable: {URING_WHY}")
     manager = start_manager(tiny_store, f"io.engine={engine}", "io.read_timeout_s=1",
