@@ -317,10 +317,10 @@ class ServeConfig:
         "rebinding). Add the name clients use for a published port, e.g. "
         "`llm.example.lan,192.168.1.5`; `*` accepts any.", fixed_because=_SERVE_FIXED))
     route_around: int = field(default=-1, metadata=_spec(
-        "Experts that cannot be loaded (a bad block: its checksum or its read fails twice) the "
-        "model may route around: the requests that needed one get 502, later ones are "
-        "computed without it (its share of each top-k goes to the others; /health says "
-        "`degraded`, responses carry `X-FlashMoE-Routed-Around`). -1: 1% of the model's "
+        "Experts that cannot be loaded (a bad block: its checksum fails, or its read in three "
+        "steps) the model may route around: the requests that needed one get 502, later ones "
+        "are computed without it (its share of each top-k goes to the others; /health says "
+        "`degraded`, such answers carry `X-FlashMoE-Routed-Around`). -1: 1% of the model's "
         "experts, at least 1; 0: none (every request that needs one gets 502).", lo=-1,
         hi=1_000_000, fixed_because=_SERVE_FIXED))
 

@@ -36,8 +36,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs it)")
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind",
                                       "127.0.0.1", "--save", "", "--appendonly", "no",
-                                      *self.args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                                      *self.args], stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:

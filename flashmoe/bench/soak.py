@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -35,7 +34,7 @@ from flashmoe.bench.chaos_procs import SHM_DIR, ProcessTree
 from flashmoe.bench.local import free_port
 from flashmoe.cli.options import add_json
 from flashmoe.reports import write_json
-from flashmoe.runtime.launch import child_env, cli_command
+from flashmoe.runtime.launch import child_env, cli_command, stop_process
 
 # Stats whose values are sizes of tables that grow with the tokens or workers seen.
 TABLE_STATS = {"feature_extractor": ("token_rows",),
@@ -151,13 +150,8 @@ class Target:
 
     def stop(self) -> None:
         for proc in (self.load, self.proc):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            if proc is not None:
+                stop_process(proc, STOP_GRACE_S, kill_group=True)
         self.tree.close()
         self.log.close()
 

@@ -37,7 +37,7 @@ Worker = Hashable  # a worker's identity (the ROUTER identity bytes in the live 
 
 STATS_KEYS = ("n_hit", "n_miss", "n_hit_loading", "n_evict", "n_load", "n_load_failed",
               "prefetch_issued", "prefetch_used", "prefetch_wasted", "prefetch_failed",
-              "prefetch_dropped", "prefetch_learned",
+              "prefetch_dropped", "prefetch_learned", "prefetch_bad_skipped",
               "prefetch_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
               "n_byte_loaded", "estimates_used")
 
@@ -124,6 +124,10 @@ class CacheManagerCore:
         self.prefetch_inflight = 0
         self.prefetch_window = prefetch_budget if prefetch_window is None else prefetch_window
         self.pending_hints: OrderedDict[ExpertKey, None] = OrderedDict()
+        # Experts whose last load failed its checksum (a bad block): never prefetched (a hint
+        # would cost reads that fail again and evict a good resident); a demand acquire still
+        # reads them, and one that succeeds takes the expert off.
+        self.bad: set[ExpertKey] = set()
         self.stats = Counter(dict.fromkeys(STATS_KEYS, 0))
 
     # --- pins -----------------------------------------------------------------------------
@@ -324,7 +328,9 @@ class CacheManagerCore:
         pending = self.pending_hints
         for expert in experts:
             key = (layer, expert)
-            if key in self.expert_bytes and key not in self.slot_of:
+            if key in self.bad:
+                self.stats["prefetch_bad_skipped"] += 1
+            elif key in self.expert_bytes and key not in self.slot_of:
                 pending.pop(key, None)
                 pending[key] = None
         while len(pending) > self.prefetch_window:
@@ -410,6 +416,7 @@ class CacheManagerCore:
             self.prefetch_inflight -= 1
         done: list[Waiter] = []
         if ok:
+            self.bad.discard(key)
             self.stats["n_byte_loaded"] += load.nbytes
             if load.prefetch and not load.waiters:
                 self.prefetched_unused.add(key)
@@ -420,6 +427,8 @@ class CacheManagerCore:
                         done.append(waiter)
             return done
         self.stats["n_load_failed"] += 1
+        if code == "checksum":
+            self.bad.add(key)
         if load.prefetch:
             self.stats["prefetch_failed"] += 1
         del self.slot_of[key]

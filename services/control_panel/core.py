@@ -400,12 +400,17 @@ METRICS: dict[str, dict[str, Metric]] = {
         "n_load": _c("loads", "Expert loads started (demand and prefetch)."),
         "n_load_failed": _c("failed_loads", "Expert loads that failed (IO error or bad "
                             "checksum)."),
-        "n_checksum_error": _c("checksum_errors", "Blocks whose checksum did not match."),
-        "n_io_error": _c("io_errors", "Reads that the IO engine reported failed."),
+        "n_checksum_error": _c("checksum_errors", "Expert reads whose checksum did not match "
+                               "(a read again after a failure counts again)."),
+        "n_io_error": _c("io_errors", "Expert reads that the IO engine reported failed (a read "
+                         "again after a failure counts again)."),
         "n_read_retry": _c("read_retries", "Failed expert reads read once more before their "
                            "requests get the error."),
-        "bad_experts": _g("bad_experts", "Experts whose load failed after its retry (each "
-                          "logged once with its store file and offset)."),
+        "bad_experts": _g("bad_experts", "Experts whose load failed after its retry, counted "
+                          "once per expert and kind of failure (each logged once with its "
+                          "store file and offset)."),
+        "prefetch_bad_skipped": _c("prefetch_bad_skipped", "Prefetch hints not followed "
+                                   "because the expert's last load failed its checksum."),
         "n_byte_read": _c("read_bytes", "Bytes read from the store."),
         "n_byte_loaded": _c("loaded_bytes", "Bytes of experts loaded into the arena."),
         "n_prefetch_hint": _c("prefetch_hints", "Prefetch hints received from workers."),

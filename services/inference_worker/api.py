@@ -12,8 +12,9 @@ is not allowed (``ServingState.allowed_hosts``: the loopback names, the listenin
 ``serve.allowed_hosts``) gets 400 ``host_not_allowed`` before any route (DNS rebinding). A
 request that fails because experts could not be loaded gets 502 ``expert_load_failed`` (the
 layer, the experts and why); experts whose blocks are bad are then routed around (see the
-engine): ``/health`` says ``degraded`` with their list, and every answer carries the header
-``X-FlashMoE-Routed-Around``. One that loses the cache manager gets 503 ``cache_restarted``.
+engine): ``/health`` says ``degraded`` with their list, and an answer computed without one
+carries the header ``X-FlashMoE-Routed-Around`` (a stream: the field ``flashmoe_routed_around``
+in its last chunk). One that loses the cache manager gets 503 ``cache_restarted``.
 The schema (``app.openapi()``, not served) describes the request bodies.
 """
 
@@ -344,7 +345,8 @@ def make_app(state: ServingState) -> FastAPI:
                         elif kind == "done":
                             done = True
                             yield _sse({**head, "choices": [_choice(
-                                chat, "", payload["finish_reason"], stream=True)]})
+                                chat, "", payload["finish_reason"], stream=True)],
+                                **routed_around_field(engine, payload)})
                             if include_usage:
                                 yield _sse({**head, "choices": [], "usage": _usage(payload)})
                             break
@@ -360,8 +362,7 @@ def make_app(state: ServingState) -> FastAPI:
                         job.cancel()
 
             return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              **routed_around_header(engine)})
+                                     headers={"Cache-Control": "no-cache"})
 
         pieces = []
         try:
@@ -385,7 +386,8 @@ def make_app(state: ServingState) -> FastAPI:
         text = "".join(pieces)
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": [_choice(chat, text, payload["finish_reason"])],
-                             "usage": _usage(payload)}, headers=routed_around_header(engine))
+                             "usage": _usage(payload)},
+                            headers=routed_around_header(engine, payload))
 
     @app.get("/stats")
     async def stats():
@@ -435,14 +437,26 @@ def _usage(done: dict) -> dict:
             "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
 
 
-def routed_around_header(engine) -> dict[str, str]:
-    """``X-FlashMoE-Routed-Around: L:E,...`` while the model is computed without experts
-    whose blocks are bad (an answer may differ from the whole model's), else nothing."""
-    degraded = engine.degraded()
-    if not degraded:
-        return {}
-    return {"X-FlashMoE-Routed-Around": ",".join(f"{d['layer']}:{d['expert']}"
-                                                 for d in degraded)}
+def routed_around(engine, done: dict) -> str:
+    """``"L:E,..."``: the experts routed around, when the answer ``done`` describes was
+    computed without one of them (some of its rows chose one), else ""."""
+    if not done.get("routed_around_rows"):
+        return ""
+    return ",".join(f"{d['layer']}:{d['expert']}" for d in engine.degraded())
+
+
+def routed_around_header(engine, done: dict) -> dict[str, str]:
+    """``X-FlashMoE-Routed-Around: L:E,...`` on an answer computed without a bad expert (it
+    may differ from the whole model's), else nothing."""
+    experts = routed_around(engine, done)
+    return {"X-FlashMoE-Routed-Around": experts} if experts else {}
+
+
+def routed_around_field(engine, done: dict) -> dict[str, str]:
+    """The same in a stream's last chunk (``flashmoe_routed_around``): a stream's headers go
+    before its first token."""
+    experts = routed_around(engine, done)
+    return {"flashmoe_routed_around": experts} if experts else {}
 
 
 def serving_stats(state: ServingState) -> dict:

@@ -53,6 +53,10 @@ LOOKAHEAD_MIN_RECALL = 0.8
 LOOKAHEAD_EMA = 0.02  # weight of each layer's recall in the running figure
 LOOKAHEAD_MIN_SAMPLES = 32  # layers measured before the first hint
 STEP_TRIES = 3  # steps in a row done again after losing the cache manager, then they fail
+# An expert is routed around after its load failed its checksum once (the cache manager read it
+# twice), or with io_error in this many steps: one io_error may be the engine failing as a
+# whole (it names whatever it was loading) or a transient error the manager's retry missed.
+IO_ERROR_STRIKES = 3
 
 
 def needs(routing: dict, layer: int, experts: list[int]) -> bool:
@@ -164,6 +168,7 @@ class _Sequence:
     generated: list[int] = field(default_factory=list)
     prefilled: bool = False
     first_token_at: float | None = None
+    rerouted: int = 0  # rows of its forwards computed without an expert routed around
 
 
 class Engine:
@@ -183,6 +188,8 @@ class Engine:
         total = len(runner.moe_layers) * runner.num_experts
         # bad experts the model may be computed without (-1: 1% of them, at least one)
         self.route_around_max = max(1, total // 100) if route_around < 0 else route_around
+        self.load_failures: dict[tuple[int, int], int] = {}  # (layer, expert) -> failed steps
+        self.refused_route_around: set[tuple[int, int]] = set()  # said once in the log
         self.lost = lost
         self.max_request, self.release, self.hint = max_request, release, hint
         self.publisher, self.set_step = publisher, set_step
@@ -323,7 +330,6 @@ class Engine:
             failure = PinsLost("the cache manager dropped this worker during the step: its "
                                "slots may hold other experts now")
         self.stats["steps"] += 1
-        self.stats["rows_routed_around"] = self.runner.rows_routed_around
         self.stats["max_batch"] = max(self.stats["max_batch"], len(sequences))
         if failure is None:
             self.lost_steps = 0
@@ -358,27 +364,42 @@ class Engine:
         self.active = [s for s in self.active if s not in failed]
 
     def _route_around(self, failure: ExpertLoadError) -> None:
-        """Experts whose load failed with a bad block (``checksum``/``io_error``: the cache
-        manager read them twice) are computed without from now on, up to
-        ``route_around_max`` of them; beyond that every request needing one fails."""
+        """Experts with a bad block are computed without from now on: one whose load failed
+        its checksum (the cache manager read it twice), or failed with ``io_error`` in
+        ``IO_ERROR_STRIKES`` steps; at most ``route_around_max`` of them, and never so many
+        that a layer has fewer than top-k left. Beyond that the requests that need one fail,
+        said once per expert in the log."""
         if failure.code not in ("checksum", "io_error"):
             return
-        routed = self.runner.routed_around
-        new = [e for e in failure.experts if e not in routed.get(failure.layer, ())]
-        have = sum(len(experts) for experts in routed.values())
-        if not new or have + len(new) > self.route_around_max:
-            if new:
-                log.error("layer %d experts %s cannot be loaded (%s) and %d are already routed "
-                          "around (serve.route_around = %d): requests that need them fail; "
-                          "run `flashmoe verify` on the store", failure.layer, new,
-                          failure.code, have, self.route_around_max)
+        layer, routed = failure.layer, self.runner.routed_around
+        new = []
+        for expert in failure.experts:
+            if expert in routed.get(layer, ()):
+                continue
+            key = (layer, expert)
+            self.load_failures[key] = self.load_failures.get(key, 0) + 1
+            if failure.code == "checksum" or self.load_failures[key] >= IO_ERROR_STRIKES:
+                new.append(expert)
+        if not new:
             return
-        self.runner.route_around(failure.layer, new)
+        have = sum(len(experts) for experts in routed.values())
+        if have + len(new) > self.route_around_max or \
+                not self.runner.may_route_around(layer, new):
+            for expert in new:
+                if (layer, expert) not in self.refused_route_around:
+                    self.refused_route_around.add((layer, expert))
+                    log.error("layer %d expert %d cannot be loaded (%s) and %d are routed "
+                              "around already (serve.route_around = %d; a layer keeps its "
+                              "top-k): requests that need it fail; run `flashmoe verify` on "
+                              "the store", layer, expert, failure.code, have,
+                              self.route_around_max)
+            return
+        self.runner.route_around(layer, new)
         self.stats["experts_routed_around"] = have + len(new)
         log.error("layer %d experts %s cannot be loaded (%s): the model is computed without "
                   "them from now on (each top-k that chooses one gives its share to the "
                   "others); run `flashmoe verify` on the store and convert it again",
-                  failure.layer, new, failure.code)
+                  layer, new, failure.code)
 
     def degraded(self) -> list[dict]:
         """The experts routed around, as ``[{"layer", "expert"}]`` (empty: the model whole)."""
@@ -446,6 +467,8 @@ class Engine:
     def _advance(self, seq: _Sequence, result, cache, now: float) -> None:
         request, p = seq.request, seq.request.params
         seq.cache = cache
+        seq.rerouted += result.rerouted
+        self.stats["rows_routed_around"] += result.rerouted
         token = self._choose(seq, result.logits)
         was_prefill = not seq.prefilled
         seq.prefilled = True
@@ -469,7 +492,8 @@ class Engine:
             request.emit("done", {"finish_reason": finish,
                                   "prompt_tokens": len(request.prompt_ids),
                                   "completion_tokens": len(seq.generated),
-                                  "token_ids": list(seq.generated)})
+                                  "token_ids": list(seq.generated),
+                                  "routed_around_rows": seq.rerouted})
             self.stats["requests_finished"] += 1
             self.active.remove(seq)
 
@@ -506,7 +530,11 @@ class Engine:
         """Recall of the router look-ahead: of the experts a layer's router chose (at the
         step's last position), the share the look-ahead predicted for it."""
         for layer, predicted in result.lookahead.items():
-            actual = result.experts[self.runner.moe_layers.index(layer)]
+            gone = self.runner.routed_around.get(layer, frozenset())  # never hinted
+            actual = [e for e in result.experts[self.runner.moe_layers.index(layer)]
+                      if e not in gone]
+            if not actual:
+                continue
             hits = len(predicted & set(actual))
             self.stats["lookahead_hinted"] += len(actual)
             self.stats["lookahead_hits"] += hits

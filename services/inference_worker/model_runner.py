@@ -65,6 +65,7 @@ class StepResult:
     # with ``all_positions``: per position, (experts, probs) of every MoE layer
     positions: list | None = None
     lookahead: dict = field(default_factory=dict)  # layer -> experts the look-ahead hinted
+    rerouted: int = 0  # (position, layer) rows computed without an expert routed around
 
 
 class _ExpertBank:
@@ -204,8 +205,12 @@ class ForwardContext:
     group: StepGroup
     token: str = ""
     meet: _Meet | None = None
-    routing: dict = field(default_factory=dict)  # layer -> (top-k index, weights) tensors
+    # layer -> (top-k index, weights) tensors as computed (and fetched): the router's choice
+    # but for experts routed around (see ModelRunner.reroute)
+    routing: dict = field(default_factory=dict)
+    chosen: dict = field(default_factory=dict)  # the same, as the router chose
     lookahead: dict = field(default_factory=dict)  # layer -> experts hinted for it
+    rerouted: int = 0  # rows of this forward computed without an expert routed around
 
 
 class ArenaExperts(nn.Module):
@@ -231,9 +236,12 @@ class ArenaExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         runner = self.runner
         ctx = runner.context()
-        ctx.routing[self.layer] = (top_k_index, top_k_weights)  # the router's own choice
+        ctx.chosen[self.layer] = (top_k_index, top_k_weights)
         if self.layer in runner.routed_around:
-            top_k_index, top_k_weights = runner.reroute(self.layer, top_k_index, top_k_weights)
+            top_k_index, top_k_weights, rows = runner.reroute(self.layer, top_k_index,
+                                                              top_k_weights)
+            ctx.rerouted += rows
+        ctx.routing[self.layer] = (top_k_index, top_k_weights)
         ahead = runner.look_ahead(self.layer, hidden_states)
         ctx.lookahead.update(ahead)
         ctx.meet = ctx.group.arrive(self.layer, top_k_index.tolist(), ahead)
@@ -301,9 +309,8 @@ class ModelRunner:
         self.cache = None  # the one-sequence form's KV cache
         self._last_layer: int | None = None  # the layer whose pins the next request drops
         # Experts whose blocks cannot be loaded (layer -> ids), computed without: see reroute.
+        # Replaced whole (never changed in place) by the engine's thread between steps.
         self.routed_around: dict[int, frozenset[int]] = {}
-        self.rows_routed_around = 0  # (position, layer) rows computed without an expert
-        self._reroute_lock = threading.Lock()
 
     def _load_non_expert(self, model: nn.Module, path: Path) -> None:
         from safetensors.torch import load_file
@@ -381,31 +388,36 @@ class ModelRunner:
         self.routed_around = {**self.routed_around,
                               layer: self.routed_around.get(layer, frozenset()) | set(experts)}
 
+    def may_route_around(self, layer: int, experts: list[int]) -> bool:
+        """Whether ``layer`` keeps at least top-k usable experts without ``experts`` too."""
+        gone = self.routed_around.get(layer, frozenset()) | set(experts)
+        return self.num_experts - len(gone) >= self.top_k
+
     def reroute(self, layer: int, index: torch.Tensor, weights: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A top-k (``index``, ``weights``: positions x k) without the experts routed around
-        at ``layer``: a row that chose one keeps its other experts, their weights scaled to
-        the row's total (they take the dropped expert's share), and the dropped place points
-        at one of them with weight 0 (transformers' eager loop adds it as nothing). A row
-        whose every choice is routed around points at the layer's lowest usable expert with
-        weight 0: its MoE output is zero, the residual carries the position on."""
-        bad = torch.tensor(sorted(self.routed_around[layer]), dtype=index.dtype)
-        dropped = torch.isin(index, bad)
-        if not bool(dropped.any()):
-            return index, weights
+        at ``layer``, and the number of rows that chose one: such a row keeps its other
+        experts, their weights scaled (in float32) to the row's total (they take the dropped
+        expert's share), and the dropped place points at one of them with weight 0
+        (transformers' eager loop adds it as nothing). A row whose every choice is routed
+        around points at the layer's lowest usable expert with weight 0: its MoE output is
+        zero, the residual carries the position on (``may_route_around`` keeps one)."""
+        gone = self.routed_around[layer]
+        dropped = torch.isin(index, torch.tensor(sorted(gone), dtype=index.dtype))
+        rows = int(dropped.any(-1).sum())
+        if not rows:
+            return index, weights, 0
         keep = ~dropped
-        total = weights.sum(-1, keepdim=True)
-        kept = (weights * keep).sum(-1, keepdim=True)
-        scale = torch.where(kept > 0, total / torch.where(kept > 0, kept, 1), 0)
-        new_weights = torch.where(keep, weights * scale, torch.zeros_like(weights))
-        usable = next(e for e in range(len(bad) + 1) if e not in self.routed_around[layer])
+        w = weights.float()
+        total = w.sum(-1, keepdim=True)
+        kept = (w * keep).sum(-1, keepdim=True)
+        scale = torch.where(kept > 0, total / torch.where(kept > 0, kept, 1.0), 0.0)
+        new_weights = torch.where(keep, w * scale, 0.0).to(weights.dtype)
+        usable = next(e for e in range(self.num_experts) if e not in gone)
         first_kept = index.gather(-1, keep.to(torch.int8).argmax(-1, keepdim=True))
         stand_in = torch.where(keep.any(-1, keepdim=True), first_kept,
                                torch.full_like(first_kept, usable))
-        new_index = torch.where(keep, index, stand_in)
-        with self._reroute_lock:
-            self.rows_routed_around += int(dropped.any(-1).sum())
-        return new_index, new_weights.to(weights.dtype)
+        return torch.where(keep, index, stand_in), new_weights, rows
 
     def fetch_layer(self, layer: int, experts: list[int], token: str = ""
                     ) -> list[dict[str, torch.Tensor]]:
@@ -423,8 +435,9 @@ class ModelRunner:
         """Run ``ids`` after what ``cache`` (a KV cache, None for a new sequence) holds, in
         ``group``; returns the step's result and the cache. ``token``: the step's input
         token as text. ``all_positions``: the result also has every position's routing.
-        ``routing``: a dict filled as the layers route (layer -> (top-k index, weights)),
-        which the caller keeps when the forward fails."""
+        ``routing``: a dict filled as the layers compute (layer -> (top-k index, weights):
+        the experts fetched, see ``reroute``), which the caller keeps when the forward fails.
+        The result's routing is the router's own choice."""
         ctx = self._local.ctx = ForwardContext(group, token)
         if routing is not None:
             ctx.routing = routing
@@ -434,9 +447,10 @@ class ModelRunner:
                                  **{self.cache_name: cache})
         finally:
             self._local.ctx = None
-        rows = [ctx.routing[layer] for layer in self.moe_layers]
+        rows = [ctx.chosen[layer] for layer in self.moe_layers]
         step = StepResult(out.logits[0, -1], [r[0][-1].tolist() for r in rows],
-                          [r[1][-1].float().tolist() for r in rows], token)
+                          [r[1][-1].float().tolist() for r in rows], token,
+                          rerouted=ctx.rerouted)
         if all_positions:
             step.positions = [([r[0][i].tolist() for r in rows],
                                [r[1][i].float().tolist() for r in rows])

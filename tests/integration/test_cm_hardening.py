@@ -282,10 +282,11 @@ def test_a_bad_block_is_reported_once_with_its_place(store_copy, start_manager):
                 client.acquire(1, [3])
             assert info.value.code == "checksum"
         assert client.acquire(1, [2])
+        client.prefetch(1, [3, 4])  # the bad expert is not prefetched, the good one is
         stats = client.stats()
     # each acquire reads the expert twice (the retry) before its request gets the error
     assert stats["n_checksum_error"] == 8 and stats["n_read_retry"] == 4
-    assert stats["bad_experts"] == 1
+    assert stats["bad_experts"] == 1 and stats["prefetch_bad_skipped"] == 1
     reports = [line for line in manager.log().splitlines() if "layer 1 expert 3" in line]
     assert len(reports) == 1, reports
     assert "stripe_" in reports[0] and "offset" in reports[0]

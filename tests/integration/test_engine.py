@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.cache_client import CacheClient, ExpertLoadError
-from services.inference_worker.engine import Engine, Request, SamplingParams
+from services.inference_worker.engine import IO_ERROR_STRIKES, Engine, Request, SamplingParams
 from services.inference_worker.generate import arena_fetch, load_tokenizer
 from services.inference_worker.model_runner import ModelRunner
 from tests.support.stores import flip_byte
@@ -239,13 +239,39 @@ def test_route_around_zero_fails_every_request_that_needs_the_bad_expert(bad_blo
     assert engine.degraded() == [] and engine.stats["experts_routed_around"] == 0
 
 
-def test_reroute_gives_a_dropped_expert_s_share_to_the_others(tiny_store):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reroute_gives_a_dropped_expert_s_share_to_the_others(tiny_store, dtype):
     runner = ModelRunner(tiny_store)
     runner.route_around(1, [3, 5])
     index = torch.tensor([[3, 1], [2, 4], [5, 3], [0, 5]])
-    weights = torch.tensor([[0.6, 0.2], [0.7, 0.3], [0.5, 0.5], [0.25, 0.5]])
-    new_index, new_weights = runner.reroute(1, index, weights)
+    weights = torch.tensor([[0.6, 0.2], [0.7, 0.3], [0.5, 0.5], [0.25, 0.5]], dtype=dtype)
+    new_index, new_weights, rows = runner.reroute(1, index, weights)
+    assert rows == 3 and new_weights.dtype == dtype
+    # a dropped place points at a kept expert (or, all dropped, the lowest usable) with
+    # weight 0; the kept ones take the row's total (scaled in float32)
     assert new_index.tolist() == [[1, 1], [2, 4], [0, 0], [0, 0]]
-    assert torch.allclose(new_weights, torch.tensor([[0.0, 0.8], [0.7, 0.3], [0.0, 0.0],
-                                                     [0.75, 0.0]]))
-    assert runner.rows_routed_around == 3 and 0 not in runner.routed_around
+    want = torch.tensor([[0.0, 0.8], [0.7, 0.3], [0.0, 0.0], [0.75, 0.0]]).to(dtype)
+    assert torch.equal(new_weights, want) if dtype == torch.bfloat16 else \
+        torch.allclose(new_weights, want)
+
+
+def test_a_layer_keeps_its_top_k(tiny_store):
+    runner = ModelRunner(tiny_store)  # 8 experts, top-2: at most 6 routed around a layer
+    assert runner.may_route_around(0, [0, 1, 2, 3, 4, 5])
+    assert not runner.may_route_around(0, [0, 1, 2, 3, 4, 5, 6])
+
+
+def test_io_errors_route_an_expert_around_only_after_strikes(tiny_store):
+    """An io_error may be transient or the engine failing as a whole: an expert is routed
+    around after IO_ERROR_STRIKES of them; a checksum failure routes it around at once."""
+    tokenizer = load_tokenizer(tiny_store)
+    engine = Engine(ModelRunner(tiny_store), tokenizer, 6, release=lambda: None,
+                    route_around=4)
+    for strike in range(IO_ERROR_STRIKES):
+        assert engine.degraded() == []
+        engine._route_around(ExpertLoadError("io_error", "EIO", 0, [2]))
+    assert engine.degraded() == [{"layer": 0, "expert": 2}]
+    engine._route_around(ExpertLoadError("checksum", "bad block", 1, [7]))
+    assert engine.degraded()[-1] == {"layer": 1, "expert": 7}
+    engine._route_around(ExpertLoadError("no_free_slot", "full", 1, [6]))  # not a bad block
+    assert len(engine.degraded()) == 2 and engine.stats["experts_routed_around"] == 2

@@ -32,6 +32,17 @@ def complete(url: str, prompt: str) -> tuple[int, dict, Message]:
         return exc.code, json.loads(exc.read()), exc.headers
 
 
+def stream(url: str, prompt: str) -> list[dict]:
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        lines = reply.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
 def test_a_bad_block_costs_one_request_and_the_server_routes_around_it(tmp_path):
     with tiny_serve(tmp_path, damage=lambda store: flip_byte(store, *BAD)) as server:
         assert server.get("/health") == {"status": "ok"}
@@ -39,12 +50,20 @@ def test_a_bad_block_costs_one_request_and_the_server_routes_around_it(tmp_path)
         statuses = [status for status, _, _ in answers]
         assert statuses.count(502) == 1, statuses
         failed = statuses.index(502)
+        assert failed < len(PROMPTS) - 1, "the bad expert was met last: nothing after it"
         assert all(status == 200 for status in statuses[failed + 1:]), statuses
         error = answers[failed][1]["error"]
         assert error["code"] == "expert_load_failed" and "checksum" in error["message"]
-        for status, body, headers in answers[failed + 1:]:
-            assert body["choices"][0]["text"] is not None
-            assert headers.get("X-FlashMoE-Routed-Around") == f"{BAD[0]}:{BAD[1]}"
+        marked = [prompt for prompt, (status, body, headers) in zip(PROMPTS, answers)
+                  if headers.get("X-FlashMoE-Routed-Around")]
+        assert marked, "no answer said it was computed without the bad expert"
+        assert {answers[PROMPTS.index(p)][2]["X-FlashMoE-Routed-Around"] for p in marked} \
+            == {f"{BAD[0]}:{BAD[1]}"}
+        # a stream of the same prompt (greedy: the same routing) says it in its last chunk
+        chunks = stream(server.url, marked[0])
+        assert chunks[-1].get("flashmoe_routed_around") == f"{BAD[0]}:{BAD[1]}"
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
+            answers[PROMPTS.index(marked[0])][1]["choices"][0]["text"]
         health = server.get("/health")
         assert health["status"] == "degraded"
         assert health["routed_around"] == [{"layer": BAD[0], "expert": BAD[1]}]
