@@ -40,6 +40,7 @@ class TraceExperts:
         self.token = ""
         self._last_layer: int | None = None
         self._context: ForwardContext | None = None
+        self.routed_around: dict[int, frozenset[int]] = {}  # a trace's routing is never changed
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=self.dtype,
                                                      experts_implementation="eager")
