@@ -68,4 +68,5 @@ def test_a_looping_worker_stops_on_sigterm_and_reports(gptoss_tiny_store, start_
             proc.wait()
     assert proc.returncode == 0, err
     assert "trace_worker stopped after" in err
-    assert json.loads(out.read_text())["n_hit"] > 0
+    stats = json.loads(out.read_text())  # the cache manager's, fetched as the worker stopped
+    assert stats["n_hit"] + stats["n_miss"] > 5 * 24 * 4  # (which are hits is timing's)
