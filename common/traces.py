@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,11 @@ import numpy as np
 TRACE_FORMAT = "flashmoe-trace"
 TRACE_VERSION = 1
 MAX_EXPERTS = np.iinfo(np.int16).max  # expert ids are stored as int16
-# What reading a damaged .npz or JSON file raises, besides the errors said in words below.
-UNREADABLE = (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile, RecursionError)
+# What reading a damaged .npz or JSON file raises, besides the errors said in words below
+# (zipfile raises NotImplementedError for a version or compression method it does not know,
+# zlib.error for a damaged compressed member).
+UNREADABLE = (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile, RecursionError,
+              NotImplementedError, zlib.error)
 DEFAULT_TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "gptoss20b-sample"
 SAMPLE_NAME = "gptoss20b-sample"

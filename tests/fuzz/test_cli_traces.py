@@ -110,6 +110,30 @@ def test_garbage_and_cut_short_trace_files_are_trace_errors(folder, data):
     loads_or_trace_error(lambda: load_trace_file(path))
 
 
+def test_a_zip_member_of_an_unknown_version_or_damaged_deflate_is_a_trace_error(folder):
+    """zipfile raises NotImplementedError for an extract version it does not know and
+    zlib.error for a damaged compressed member: both are TraceError (found by the report run)."""
+    arrays_ = {"experts": np.zeros((3, 2, 2), np.int16), "offsets": np.array([0, 3], np.int64),
+               "meta": np.array(json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION,
+                                            "num_experts": 8}))}
+    good = bytearray(npz_bytes(arrays_))
+    central = good.index(b"PK\x01\x02")
+    good[central + 6] = 109  # "version needed to extract": 10.9
+    path = folder / "v.npz"
+    path.write_bytes(bytes(good))
+    with pytest.raises(TraceError):
+        load_trace_file(path)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays_)
+    packed = bytearray(buffer.getvalue())
+    body = packed.index(b"PK\x03\x04") + 30 + int.from_bytes(packed[26:28], "little") + \
+        int.from_bytes(packed[28:30], "little")
+    packed[body:body + 8] = b"\xff" * 8  # the first member's deflate stream
+    path.write_bytes(bytes(packed))
+    with pytest.raises(TraceError):
+        load_trace_file(path)
+
+
 @given(lines=st.lists(st.one_of(
     JSON_VALUES.map(lambda v: json.dumps({"layers": v}, allow_nan=True)),
     JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True)),
