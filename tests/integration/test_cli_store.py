@@ -244,3 +244,42 @@ def test_the_lock_goes_with_the_store_object(store_copy):
         pass
     with write_lock(store_copy):  # closed by the with block
         pass
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A read-only bind mount of a folder (root only); unmounted after the test."""
+    def mount(folder: Path) -> Path:
+        target = tmp_path / "ro"
+        target.mkdir()
+        for args in (["--bind", str(folder), str(target)],
+                     ["-o", "remount,bind,ro", str(target)]):
+            out = subprocess.run(["mount", *args], capture_output=True, text=True)
+            if out.returncode != 0:
+                subprocess.run(["umount", str(target)], capture_output=True)
+                pytest.skip(f"cannot make a read-only bind mount here: {out.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    mounted: list[Path] = []
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_a_store_on_a_read_only_mount_is_read_and_not_written(capsys, hf, store_copy, tmp_path,
+                                                            read_only_mount):
+    """A store is only read (its lock is a shared flock on the manifest): verify and generate
+    work on a read-only mount; convert --force onto it fails with one line and changes nothing."""
+    ro = read_only_mount(store_copy)
+    rc, err = run_cli(capsys, "verify", str(ro))
+    assert rc == 0, err
+    out = subprocess.run([sys.executable, "-m", "flashmoe", "generate", "--store", str(ro),
+                          "--prompt", "hello", "--max-new-tokens", "3",
+                          "--home", str(tmp_path / "home")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "3 new tokens" in out.stderr
+    rc, err = convert(capsys, hf, ro, "--force")
+    assert rc != 0 and len(err) == 1 and "Read-only file system" in err[0], err
+    assert snapshot(ro) == snapshot(store_copy)
