@@ -12,7 +12,7 @@ allocations), per hour; flat is the target. The report keeps every sample.
          are made once), the trace worker replaying in a loop at ``--token-ms``;
   serve  `flashmoe serve STORE` (``--store``, default a tiny converted Qwen3-MoE made in a
          temporary folder) driven by `flashmoe serve-bench` with ``--concurrency`` requests in
-         flight, for as long as the soak lasts.
+         flight, run again and again (``ServeBenchLoop``) for as long as the soak lasts.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,6 +44,7 @@ TABLE_STATS = {"feature_extractor": ("token_rows",),
                "cache_manager": ("prefetcher_token_rows", "prefetcher_streams", "workers")}
 READY_TIMEOUT_S = 1200.0  # the main job's first start makes its store and warm-up
 STOP_GRACE_S = 60.0
+BENCH_PROMPTS = 32  # completions a serve-bench batch (serve: the load)
 
 
 def proc_status(pid: int) -> dict[str, int] | None:
@@ -126,12 +130,8 @@ class Target:
         else:
             raise RuntimeError(f"{self.args.target} not ready in {READY_TIMEOUT_S:g} s")
         if self.args.target == "serve":
-            self.load = subprocess.Popen(
-                cli_command("serve-bench", "--url", f"http://127.0.0.1:{self.api_port}",
-                            "--prompts", "100000000", "--concurrency",
-                            str(self.args.concurrency), "--max-tokens", "32"),
-                env=child_env(), stdout=subprocess.DEVNULL, stderr=self.log,
-                start_new_session=True)
+            self.load = ServeBenchLoop(f"http://127.0.0.1:{self.api_port}",
+                                       self.args.concurrency, self.log)
 
     def sample(self, t_min: float) -> dict:
         alive = [s for s in self.tree.alive(include_root=False) if s.role]
@@ -149,11 +149,47 @@ class Target:
                 "restarts": len([s for s in self.tree.seen.values() if s.role]) - len(alive)}
 
     def stop(self) -> None:
-        for proc in (self.load, self.proc):
-            if proc is not None:
-                stop_process(proc, STOP_GRACE_S, kill_group=True)
+        if self.load is not None:
+            self.load.stop()
+        stop_process(self.proc, STOP_GRACE_S, kill_group=True)
         self.tree.close()
         self.log.close()
+
+
+class ServeBenchLoop:
+    """`flashmoe serve-bench` run again and again against ``url`` on a thread, a batch of
+    ``BENCH_PROMPTS`` completions each time, each batch's prompts drawn with a seed of its
+    own (serve-bench holds a batch's requests in memory at once, so the soak's hours of load
+    are many batches, not one). Counts the batches and those that failed."""
+
+    def __init__(self, url: str, concurrency: int, log) -> None:
+        self.url, self.concurrency, self.log = url, concurrency, log
+        self.batches = self.failed = 0
+        self.proc: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="soak-serve-bench", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            self.proc = subprocess.Popen(
+                cli_command("serve-bench", "--url", self.url, "--prompts", str(BENCH_PROMPTS),
+                            "--concurrency", str(self.concurrency), "--max-tokens", "32",
+                            "--rounds", "1", "--warmup-prompts", "0",
+                            "--seed", str(self.batches)),
+                env=child_env(), stdout=subprocess.DEVNULL, stderr=self.log,
+                start_new_session=True)
+            code = self.proc.wait()
+            if self.stopping.is_set():
+                break
+            self.batches += 1
+            self.failed += code != 0
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.proc is not None:
+            stop_process(self.proc, STOP_GRACE_S, kill_group=True)
+        self.thread.join(STOP_GRACE_S)
 
 
 def per_hour(samples: list[dict], value, settle_min: float) -> float | None:
@@ -230,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.interval_s <= 0 or args.concurrency < 1:
         print("soak: --minutes and --interval-s must be above 0, --concurrency at least 1")
         return 2
+    # SIGTERM ends the soak as Ctrl-C does: the target and its load are stopped (finally)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     scratch = Path(tempfile.mkdtemp(prefix="flashmoe-soak-"))
     target = Target(args, scratch)
     samples: list[dict] = []
@@ -252,7 +290,15 @@ def run(args: argparse.Namespace) -> int:
     report = {"target": args.target, "minutes": args.minutes, "interval_s": args.interval_s,
               "settle_min": args.settle_min, "restarts": samples[-1]["restarts"],
               "growth": growth(samples, args.settle_min), "samples": samples}
+    if target.load is not None:
+        report["load"] = {"serve_bench_batches": target.load.batches,
+                          "serve_bench_failed": target.load.failed,
+                          "prompts_a_batch": BENCH_PROMPTS, "concurrency": args.concurrency}
     print(format_table(report))
+    if "load" in report:
+        load = report["load"]
+        print(f"load: {load['serve_bench_batches']} serve-bench batches of "
+              f"{BENCH_PROMPTS} completions ({load['serve_bench_failed']} failed)")
     if args.json:
         write_json(report, args.json)
     return 0
