@@ -40,8 +40,8 @@ from pydantic import BaseModel, Field
 
 from common.config import LOOPBACK_HOSTS, host_name
 
-from .core import (PANEL_METRICS, RATE_METRICS, Metric, changes_schema, json_safe,
-                   metric_samples)
+from .core import (PANEL_METRICS, RATE_METRICS, Metric, changes_schema, clip_depth,
+                   json_safe, metric_samples)
 from .panel import Panel
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -145,9 +145,12 @@ def make_app(panel: Panel, allowed_hosts: frozenset[str] | None = frozenset(LOOP
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's own handler fails (500) on a body that is not UTF-8 or holds NaN
+        # FastAPI's own handler fails (500) on a body that is not UTF-8 or holds NaN, and
+        # an input nested hundreds deep is past the recursive encoders: echoed clipped
+        errors = [{**e, "input": clip_depth(e["input"])} if "input" in e else e
+                  for e in exc.errors()]
         return JSONResponse({"detail": json_safe(jsonable_encoder(
-            exc.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")}))},
+            errors, custom_encoder={bytes: lambda b: b.decode("utf-8", "replace")}))},
             status_code=422)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(panel))

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from common.config import ConfigError, check_value, describe_fields
 
 HISTORY_POINTS = 600  # ten minutes at one sample a second
+ECHO_DEPTH = 8  # levels of a refused request's input echoed back in the refusal
 PROFILE_REFUSAL = ("the device profile sets defaults when the services start: restart them "
                    "with --profile (or FLASHMOE_PROFILE)")
 SERIES = ("hit_rate", "stall_free_rate", "ssd_mb_per_s", "tokens_per_s",
@@ -138,6 +139,17 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return [self(v) for v in value]
         return value
+
+
+def clip_depth(value: Any, depth: int = ECHO_DEPTH) -> Any:
+    """``value`` with what lies deeper than ``depth`` levels of lists and mappings replaced by
+    ``"..."``: a refusal echoes a request's input, which may be nested past what a recursive
+    encoder takes."""
+    if isinstance(value, Mapping):
+        return {k: clip_depth(v, depth - 1) for k, v in value.items()} if depth > 0 else "..."
+    if isinstance(value, (list, tuple)):
+        return [clip_depth(v, depth - 1) for v in value] if depth > 0 else "..."
+    return value
 
 
 def json_safe(value: Any) -> Any:

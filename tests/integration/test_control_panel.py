@@ -201,6 +201,17 @@ def test_refusals_401_422_409(live, tmp_path):
     assert stats["tuned"] == {}
 
 
+def test_a_refusal_of_a_deeply_nested_body_is_a_422_with_the_input_clipped(live):
+    """A body 480 levels deep is valid JSON, but echoing it in the refusal went past the
+    recursive encoders (500, found by the report-profile fuzz run)."""
+    deep = 1
+    for _ in range(240):
+        deep = {"a": [deep]}
+    status, body = request(live, "PUT", "/api/config", deep,
+                           {"authorization": f"Bearer {TOKEN}"})
+    assert status == 422 and '"..."' in json.dumps(body), body
+
+
 def test_a_live_change_reaches_the_cache_manager_and_shows_in_stats(live):
     status, body = put(live, {"cache.policy": "lru"}, header="x-flashmoe-token")
     assert_taken_live(status, body, "cache.policy")
