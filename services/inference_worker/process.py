@@ -19,6 +19,7 @@ endpoint.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -37,6 +38,7 @@ from .events import EventPublisher
 
 log = logging.getLogger("flashmoe.trace_worker")
 
+TOKEN_MS_KEPT = 100_000  # step times kept for the summary (the newest): bounded under --loop
 RECONNECT_TRIES = 5  # tokens in a row done again after a reconnection before exiting
 RECONNECT_WAIT_S = 0.5  # between two handshakes of a reconnection
 # A reconnection tries handshakes (each within ipc.handshake_timeout_s) for this long: a
@@ -70,7 +72,10 @@ class TraceWorker:
         self.tokens_failed = 0
         self.reconnects = 0
         self.failed_experts: set[tuple[int, int]] = set()  # (layer, expert) reported once
-        self.token_ms: list[float] = []  # how long each decode step took
+        # how long each decode step took, the newest TOKEN_MS_KEPT (a --loop replay runs for
+        # hours); _timed counts every step timed
+        self.token_ms: collections.deque[float] = collections.deque(maxlen=TOKEN_MS_KEPT)
+        self._timed = 0
         self._token_started = time.monotonic()
 
     def replay(self, start: int, stop: int) -> None:
@@ -161,6 +166,7 @@ class TraceWorker:
         now = time.monotonic()
         if self.tokens:
             self.token_ms.append((now - self._token_started) * 1e3)
+            self._timed += 1
         left = self._token_started + self.pace_ms / 1000 - now
         if left > 0:
             time.sleep(left)
@@ -168,8 +174,9 @@ class TraceWorker:
 
     def finish(self) -> None:
         """The last step's time."""
-        if self.tokens > len(self.token_ms):
+        if self.tokens > self._timed:
             self.token_ms.append((time.monotonic() - self._token_started) * 1e3)
+            self._timed += 1
 
     def figures(self) -> dict:
         return {"tokens": self.tokens, "tokens_failed": self.tokens_failed,
