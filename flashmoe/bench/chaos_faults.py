@@ -40,6 +40,7 @@ class Fault:
     api_down_expected: bool = False  # serve's API process itself is the victim
     degrades: bool = False  # serve may answer without a bad expert (declared, not compared)
     needs_redis: bool = False
+    own_disk: bool = False  # the store copy on a block device of its own (``LoopDisk``)
 
 
 def kill(role: str) -> Callable[..., float]:
@@ -116,7 +117,9 @@ def remove_arena(run) -> float:
 def slow_reads(run) -> float:
     """Move the cache manager into a blkio cgroup whose reads of the store's disk are so slow
     that one expert's read outlasts ``io.read_timeout_s`` several times; its restarted
-    successor (a child of the supervisor, outside the group) reads at full speed."""
+    successor (a child of the supervisor, outside the group) reads at full speed. The store
+    copy is on a loop device of its own (``own_disk``): the throttle slows the store, not the
+    program's own files."""
     manager = run.tree.service("cache_manager")
     if manager is None:
         raise RuntimeError("no cache manager to slow down")
@@ -209,9 +212,10 @@ FAULTS = (
           corrupt_block, took_effect=load_errors_seen, degrades=True),
     Fault("eio", f"every {EIO_EVERY}th read fails with EIO (FMIO_FAULT=eio:{EIO_EVERY})",
           under_load, env={"FMIO_FAULT": f"eio:{EIO_EVERY}"}, took_effect=reads_failed),
-    Fault("slow-read", "the cache manager's reads throttled (blkio cgroup) past "
-                       "io.read_timeout_s", slow_reads, took_effect=manager_replaced,
-          recovered=manager_back, replaces=("cache_manager",)),
+    Fault("slow-read", "the cache manager's reads of the store throttled (blkio cgroup on the "
+                       "store's own loop device) past io.read_timeout_s", slow_reads,
+          took_effect=manager_replaced, recovered=manager_back, replaces=("cache_manager",),
+          own_disk=True),
     Fault("enospc-checkpoint", "every checkpoint write fails with ENOSPC "
                                "(FLASHMOE_CHECKPOINT_FAULT=enospc)", wait_checkpoints,
           env={"FLASHMOE_CHECKPOINT_FAULT": "enospc"},

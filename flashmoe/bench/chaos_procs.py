@@ -1,5 +1,6 @@
 """`flashmoe chaos`'s hold on real processes: the target's process tree, the throttled block-IO
-cgroup it starts, and what a run can leave behind (its redis-server is ``local.RedisServer``).
+cgroup it starts, the loop-mounted disk a store copy may live on, and what a run can leave
+behind (its redis-server is ``local.RedisServer``).
 
 ``ProcessTree`` walks /proc every ``POLL_S`` for the target's descendants and remembers every
 one it saw by (pid, start time): a pid is only ever signalled while its start time is still
@@ -11,9 +12,11 @@ command line (``python -m flashmoe serve-cache ...``, see ``ROLES``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +54,30 @@ def proc_stat(pid: int) -> tuple[int, int, str] | None:
         return None
     fields = text[text.rindex(")") + 2:].split()
     return int(fields[1]), int(fields[19]), fields[0]
+
+
+def held_threads(pid: int) -> list[tuple[str, str]]:
+    """The threads still alive of a process whose main thread has exited (a zombie leader):
+    (name, state letter) each, e.g. io_uring's ``iou-wrk-PID`` workers in a read the kernel
+    cannot cancel. Such a process cannot be reaped until they end. Empty otherwise."""
+    stat = proc_stat(pid)
+    if stat is None or stat[2] != "Z":
+        return []
+    held = []
+    try:
+        tids = [t for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        state = text[text.rindex(")") + 2:].split()[0]
+        if state != "Z":
+            held.append((comm, state))
+    return held
 
 
 def proc_argv(pid: int) -> list[str]:
@@ -182,6 +209,38 @@ def sockets_under(*folders: Path) -> list[Path]:
         if folder.is_dir():
             found += [p for p in folder.rglob("*") if p.is_socket()]
     return found
+
+
+class LoopDisk:
+    """An ext4 file system in an image file, mounted through a loop device at ``mount``: a
+    block device of its own for a target's store copy. Throttling its reads slows the store
+    and nothing else; on the disk that also holds the program, a failing service that faults
+    in a page of its code or reads a module not in the page cache would wait for it at the
+    throttled rate too. Needs root, ``mkfs.ext4`` and a free loop device (``OSError`` else);
+    ``close`` unmounts it (the loop device goes with it) and deletes the image."""
+
+    def __init__(self, image: Path, mount: Path, size_bytes: int) -> None:
+        self.image, self.mount = image, mount
+        with open(image, "wb") as f:
+            f.truncate(size_bytes)
+        mount.mkdir()
+        try:
+            for command in (["mkfs.ext4", "-q", "-F", str(image)],
+                            ["mount", "-o", "loop", str(image), str(mount)]):
+                out = subprocess.run(command, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise OSError(f"{command[0]}: {out.stderr.strip() or out.returncode}")
+        except (OSError, FileNotFoundError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if os.path.ismount(self.mount):
+            subprocess.run(["umount", str(self.mount)], capture_output=True)
+        if not os.path.ismount(self.mount):
+            self.image.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.mount.rmdir()
 
 
 class ThrottledReads:

@@ -22,6 +22,7 @@ The phases, each bounded:
 from __future__ import annotations
 
 import collections
+import os
 import random
 import shutil
 import signal
@@ -35,8 +36,8 @@ from common.bus import ServiceUnavailable, control_endpoint_for, health, ipc_end
 from common.config import load_config
 from flashmoe.bench.chaos_faults import Fault
 from flashmoe.bench.chaos_probes import ServeLoad, TrueBytes, Verifier
-from flashmoe.bench.chaos_procs import (ProcessTree, arena_pids, fd_kinds, proc_stat,
-                                        sockets_under)
+from flashmoe.bench.chaos_procs import (LoopDisk, ProcessTree, arena_pids, fd_kinds,
+                                        held_threads, proc_stat, sockets_under)
 from flashmoe.bench.local import RedisServer, free_port
 from flashmoe.runtime.launch import child_env, cli_command
 
@@ -56,6 +57,7 @@ SETTINGS = (f"io.read_timeout_s={READ_TIMEOUT_S:g}", "ipc.heartbeat_interval_s=0
 RUN_CAPACITY = 64  # of the run store's 768 experts: loads go on all the time
 SERVE_CAPACITY = 8  # of the tiny model's 16 experts
 TOKEN_MS = 20.0
+LOOP_DISK_SLACK_BYTES = 32 << 20  # ext4's own blocks, beyond a quarter more than the store
 
 
 @dataclass
@@ -99,6 +101,7 @@ class ChaosRun:
         self.load: ServeLoad | None = None
         self.redis: RedisServer | None = None
         self.throttle = None
+        self.disk: LoopDisk | None = None
         self.victim = None
         self.panel_port = free_port()
         self.serve_port = free_port()
@@ -163,7 +166,11 @@ class ChaosRun:
     # --- start and readiness ----------------------------------------------------------------
 
     def start(self) -> None:
+        if self.fault.own_disk:
+            self.place_store_on_own_disk()
         shutil.copytree(self.assets.store, self.store_copy)
+        if self.disk is not None:
+            os.sync()  # a direct read of a page still dirty from the copy waits for its write
         home, tmp = self.folder / "home", self.folder / "tmp"
         tmp.mkdir()
         settings = [*SETTINGS, f"panel.port={self.panel_port}", *self.fault.settings]
@@ -309,6 +316,12 @@ class ChaosRun:
         parts = []
         if self.missing_roles():
             parts.append(f"missing or stopped: {', '.join(self.missing_roles())}")
+        held = held_threads(self.victim.pid) if self.victim is not None else []
+        if held:
+            states = collections.Counter(f"{name.split('-')[0]}-* {state}" if "-" in name
+                                         else f"{name} {state}" for name, state in held)
+            parts.append(f"the {self.victim.role} {self.victim.pid} the fault hit: main thread "
+                         f"exited, held by the kernel in {dict(states)}")
         if self.verifier is not None:
             v = self.verifier
             parts.append(f"verifier {v.out.counts} {v.out.notes[:2]}" +
@@ -463,7 +476,21 @@ class ChaosRun:
             examples.append(f"runtime folder kept after a clean exit: "
                             f"{sorted(p.name for p in runtime.iterdir())[:6]}")
 
+    def place_store_on_own_disk(self) -> None:
+        """The store copy on a loop device of its own; where none can be made (not root, no
+        mkfs.ext4), on the folder's disk, said in the run's events."""
+        size = sum(p.stat().st_size for p in self.assets.store.rglob("*") if p.is_file())
+        try:
+            self.disk = LoopDisk(self.folder / "disk.img", self.folder / "disk",
+                                 int(size * 1.25) + LOOP_DISK_SLACK_BYTES)
+        except OSError as exc:
+            self.event(f"the store copy shares the program's disk (no loop device: {exc})")
+            return
+        self.store_copy = self.disk.mount / "store"
+
     def close_helpers(self) -> None:
         if self.redis is not None:
             self.redis.stop()
+        if self.disk is not None:
+            self.disk.close()
 

@@ -68,3 +68,21 @@ def test_one_row_reports_its_shape_and_leaves_nothing(tmp_path, short_tmp):
     new_arenas = {p.name for p in SHM_DIR.glob("flashmoe*")} - arenas_before
     dead_owners = [n for n in new_arenas if not Path(f"/proc/{n.split('-')[-2]}").exists()]
     assert dead_owners == []
+
+
+def test_the_loop_disk_is_a_device_of_its_own_and_goes_away(tmp_path):
+    """``slow-read``'s store copy lives on a loop device: throttling that device's reads slows
+    the store and not the program's files. Closing it unmounts it and deletes its image."""
+    from flashmoe.bench.chaos_procs import LoopDisk
+
+    try:
+        disk = LoopDisk(tmp_path / "disk.img", tmp_path / "disk", 16 << 20)
+    except OSError as exc:
+        pytest.skip(f"no loop device here: {exc}")
+    try:
+        (disk.mount / "f").write_bytes(b"x" * 4096)
+        here, there = os.stat(tmp_path).st_dev, os.stat(disk.mount / "f").st_dev
+        assert here != there and os.major(there) == 7  # the loop driver's major number
+    finally:
+        disk.close()
+    assert not os.path.ismount(disk.mount) and not (tmp_path / "disk.img").exists()
