@@ -38,7 +38,7 @@ from .events import EventPublisher
 
 log = logging.getLogger("flashmoe.trace_worker")
 
-TOKEN_MS_KEPT = 100_000  # step times kept for the summary (the newest): bounded under --loop
+TOKEN_MS_KEPT = 10_000  # step times kept for the summary (the newest): bounded under --loop
 RECONNECT_TRIES = 5  # tokens in a row done again after a reconnection before exiting
 RECONNECT_WAIT_S = 0.5  # between two handshakes of a reconnection
 # A reconnection tries handshakes (each within ipc.handshake_timeout_s) for this long: a
