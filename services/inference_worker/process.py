@@ -38,7 +38,7 @@ from .events import EventPublisher
 
 log = logging.getLogger("flashmoe.trace_worker")
 
-TOKEN_MS_KEPT = 10_000  # step times kept for the summary (the newest): bounded under --loop
+TOKEN_MS_KEPT = 10_000  # step times a --loop replay keeps for its summary (the newest)
 RECONNECT_TRIES = 5  # tokens in a row done again after a reconnection before exiting
 RECONNECT_WAIT_S = 0.5  # between two handshakes of a reconnection
 # A reconnection tries handshakes (each within ipc.handshake_timeout_s) for this long: a
@@ -61,7 +61,8 @@ class TraceWorker:
     def __init__(self, client: CacheClient, trace: Trace, publisher: EventPublisher | None,
                  token_ms: float = 0.0, compute=None,
                  stopping: Callable[[], bool] = lambda: False,
-                 reconnect: Callable[[], CacheClient] | None = None) -> None:
+                 reconnect: Callable[[], CacheClient] | None = None,
+                 step_times_kept: int | None = None) -> None:
         self.client, self.trace, self.publisher = client, trace, publisher
         self.stopping = stopping  # checked before each token: True ends the replay
         self.reconnect = reconnect
@@ -72,9 +73,9 @@ class TraceWorker:
         self.tokens_failed = 0
         self.reconnects = 0
         self.failed_experts: set[tuple[int, int]] = set()  # (layer, expert) reported once
-        # how long each decode step took, the newest TOKEN_MS_KEPT (a --loop replay runs for
-        # hours); _timed counts every step timed
-        self.token_ms: collections.deque[float] = collections.deque(maxlen=TOKEN_MS_KEPT)
+        # how long each decode step took: the newest step_times_kept (a --loop replay runs
+        # for hours), else all; _timed counts every step timed
+        self.token_ms: collections.deque[float] = collections.deque(maxlen=step_times_kept)
         self._timed = 0
         self._token_started = time.monotonic()
 
@@ -261,8 +262,9 @@ class TraceWorkerService(Service):
                 from .trace_compute import TraceExperts
 
                 experts = TraceExperts(client.store.path, arena_fetch(client))
-            worker = self.worker = TraceWorker(client, self.trace, publisher, self.token_ms,
-                                               experts, self.stopping, self.reconnect)
+            worker = self.worker = TraceWorker(
+                client, self.trace, publisher, self.token_ms, experts, self.stopping,
+                self.reconnect, step_times_kept=TOKEN_MS_KEPT if self.loop else None)
             worker.replay(*self.rows)
             while self.loop and not self.stopping():
                 worker.replay(*self.rows)

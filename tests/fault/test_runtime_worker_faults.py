@@ -138,18 +138,21 @@ def test_a_trace_of_another_shape_is_refused_at_the_handshake_with_both_shapes(t
     assert manager.proc.poll() is None
 
 
-def test_a_looping_worker_keeps_a_bounded_record_of_its_step_times(tiny_store, start_manager,
-                                                                    monkeypatch):
-    """Step times are kept for the summary, the newest TOKEN_MS_KEPT of them: a --loop replay
-    appended one a token for as long as it ran (the soak saw the worker grow)."""
-    import services.inference_worker.process as process
-
-    monkeypatch.setattr(process, "TOKEN_MS_KEPT", 4)
+def test_a_looping_worker_keeps_a_bounded_record_of_its_step_times(tiny_store, start_manager):
+    """A --loop replay keeps the newest step times for its summary (TOKEN_MS_KEPT): it appended
+    one a token for as long as it ran (the soak saw the worker grow). A bounded replay keeps
+    them all (e2e-bench's tokens/s is their sum)."""
     manager = start_manager(tiny_store)
     trace = routing([GOOD] * 5)
     with CacheClient(manager.endpoint) as client:
-        worker = TraceWorker(client, trace, None)
+        looping = TraceWorker(client, trace, None, step_times_kept=4)
         for _ in range(3):
-            worker.replay(0, trace.n_tokens)
-        worker.finish()
-    assert worker.tokens == 15 and len(worker.token_ms) == 4 and worker._timed == 15
+            looping.replay(0, trace.n_tokens)
+        looping.finish()
+        client.release()
+        bounded = TraceWorker(client, trace, None)
+        for _ in range(3):
+            bounded.replay(0, trace.n_tokens)
+        bounded.finish()
+    assert looping.tokens == 15 and len(looping.token_ms) == 4 and looping._timed == 15
+    assert bounded.tokens == 15 and len(bounded.token_ms) == 15
