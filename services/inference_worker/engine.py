@@ -45,6 +45,8 @@ from .model_runner import ModelRunner, StepAborted, StepGroup
 
 log = logging.getLogger("flashmoe.engine")
 
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as in vLLM (1e-300 would make
+# float32 scores of 0/0)
 IDLE_WAIT_S = 0.05
 # The router look-ahead hints only while its recent recall reaches this: a wrong hint costs a
 # whole expert's read and evicts a resident, a right one only starts a read a layer sooner.
@@ -335,7 +337,13 @@ class Engine:
             self.lost_steps = 0
             now = time.monotonic()
             for seq, (result, cache) in zip(sequences, results):
-                self._advance(seq, result, cache, now)
+                try:
+                    self._advance(seq, result, cache, now)
+                except Exception as exc:  # noqa: BLE001 - its request fails, the loop goes on
+                    log.error("a request failed choosing its next token: %r", exc)
+                    seq.request.emit("error", exc)
+                    self.stats["requests_failed"] += 1
+                    self.active = [s for s in self.active if s is not seq]
             return
         self.release()
         self.holds_pins = False
@@ -450,9 +458,10 @@ class Engine:
 
     def _choose(self, seq: _Sequence, logits: torch.Tensor) -> int:
         p = seq.request.params
-        if p.temperature <= 0:
+        if p.temperature < GREEDY_BELOW:
             return int(logits.argmax())
-        scores = logits.float() / p.temperature
+        scores = logits.float()
+        scores = (scores - scores.max()) / p.temperature  # the largest 0: no overflow
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
