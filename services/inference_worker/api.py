@@ -166,6 +166,8 @@ def _number(body: dict, key: str, kind, default):
 
 
 def sampling_params(body: dict, max_tokens_key: str = "max_tokens") -> SamplingParams:
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
     n = _number(body, "n", int, 1)
     if n != 1:
         raise APIError(400, "only n = 1 is supported", param="n")

@@ -26,3 +26,17 @@ def test_a_temperature_near_zero_is_greedy():
 def test_large_logits_at_a_small_temperature_do_not_overflow():
     logits = torch.tensor([3.0e38, 2.9e38, -3.0e38])
     assert choose(1e-3, logits) == 0
+
+
+def test_stream_options_that_is_not_an_object_is_a_400():
+    """``"stream_options": true`` was read as a mapping after the request was queued: 500."""
+    import pytest
+
+    from services.inference_worker.api import APIError, sampling_params
+
+    for value in (True, 3, "x", [1]):
+        with pytest.raises(APIError) as refused:
+            sampling_params({"stream_options": value})
+        assert refused.value.status == 400 and refused.value.param == "stream_options"
+    sampling_params({"stream_options": {"include_usage": True}})
+    sampling_params({"stream_options": None})
