@@ -65,18 +65,17 @@ def held_threads(pid: int) -> list[tuple[str, str]]:
         return []
     held = []
     try:
-        tids = [t for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
     except OSError:
         return []
-    for tid in tids:
+    for tid in tids:  # /proc/TID is a thread's own entry
+        stat = proc_stat(tid)
         try:
-            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            comm = Path(f"/proc/{tid}/comm").read_text().strip()
         except OSError:
             continue
-        state = text[text.rindex(")") + 2:].split()[0]
-        if state != "Z":
-            held.append((comm, state))
+        if stat is not None and stat[2] != "Z":
+            held.append((comm, stat[2]))
     return held
 
 

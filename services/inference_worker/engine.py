@@ -341,9 +341,7 @@ class Engine:
                     self._advance(seq, result, cache, now)
                 except Exception as exc:  # noqa: BLE001 - its request fails, the loop goes on
                     log.error("a request failed choosing its next token: %r", exc)
-                    seq.request.emit("error", exc)
-                    self.stats["requests_failed"] += 1
-                    self.active = [s for s in self.active if s is not seq]
+                    self._fail([seq], exc)
             return
         self.release()
         self.holds_pins = False
@@ -366,8 +364,12 @@ class Engine:
             if seq not in failed and seq.cache is not None and \
                     not self.runner.rewind(seq.cache, mark):
                 failed.append(seq)  # its cache holds half a step: it cannot go on
+        self._fail(failed, failure)
+
+    def _fail(self, failed: list[_Sequence], error: BaseException) -> None:
+        """Each of ``failed`` answered with ``error`` and dropped from the batch."""
         for seq in failed:
-            seq.request.emit("error", failure)
+            seq.request.emit("error", error)
             self.stats["requests_failed"] += 1
         self.active = [s for s in self.active if s not in failed]
 
