@@ -26,6 +26,11 @@ The errors a caller sees (never a raw ``ProtocolError``):
     stays usable.
   - ``ShapeMismatch`` (a ``ConfigMismatch``): the ``shape`` given does not match the store the
     manager serves; raised by the constructor.
+  - ``ArenaUnreachable`` (a ``CacheManagerUnavailable``): the manager answered the handshake
+    but its arena is not in this process's /dev/shm, so no new client of this process can
+    work: a container joined to the shared memory of a cache manager that has restarted
+    since, or the file was removed. Raised by the constructor; the process must be started
+    again next to its manager.
 
 The DEALER's routing id is chosen here (random), so the same client is recognised when its
 connection comes back after a freeze and is told ``pins_lost`` instead of ``unexpected``.
@@ -58,6 +63,10 @@ class CacheManagerUnavailable(RuntimeError):
 class PinsLost(CacheManagerUnavailable):
     """The manager dropped this client (missed heartbeats) or its connection closed: its pins
     are gone and its slots may hold other experts. Make a new client and redo the step."""
+
+
+class ArenaUnreachable(CacheManagerUnavailable):
+    """The manager's arena file is not in this process's /dev/shm (see the module's text)."""
 
 
 class ShapeMismatch(ConfigMismatch):
@@ -120,7 +129,14 @@ class CacheClient:
             self.ready = ready
             self.engine = ready.engine
             self.store = ExpertStore.open(ready.store_path)
-            self.arena = Arena.attach(ready.arena_name, ready.slot_bytes, ready.n_slots)
+            try:
+                self.arena = Arena.attach(ready.arena_name, ready.slot_bytes, ready.n_slots)
+            except FileNotFoundError:
+                raise ArenaUnreachable(
+                    f"the cache manager's arena {ready.arena_name} is not in this process's "
+                    f"/dev/shm: it does not share the manager's shared memory (a container "
+                    f"joined to the IPC namespace of a cache manager that has restarted "
+                    f"since, or the file was removed); start this worker again") from None
         except BaseException:
             self.close()
             raise

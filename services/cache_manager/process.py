@@ -547,6 +547,8 @@ class CacheManager(Service):
                 **{f"control_{k}": v for k, v in control.items()},
                 "engine": engine.name, "engine_direct": int(engine.direct),
                 "engine_fallback_reason": self.loads.engine_fallback_reason,
+                "engine_fixed_buffers": int(engine.fixed_buffers),
+                "engine_fixed_buffers_reason": engine.fixed_buffers_reason,
                 "engine_inflight": engine.inflight(), "policy": self.core.policy_name,
                 "estimate": ("none" if self.estimate_at is None else "fresh"),
                 "estimate_age_ms": (round((time.monotonic() - self.estimate_at) * 1e3, 1)

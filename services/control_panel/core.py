@@ -463,6 +463,9 @@ METRICS: dict[str, dict[str, Metric]] = {
         "workers": _g("workers", "Workers connected to the cache manager."),
         "engine_direct": _g("io_direct", "1 when the IO engine reads with O_DIRECT (past the "
                             "page cache)."),
+        "engine_fixed_buffers": _g("io_fixed_buffers", "1 when the arena's slots are "
+                                   "registered io_uring fixed buffers (0: reads go to them "
+                                   "unregistered, or the pread engine runs)."),
         "engine_inflight": _g("io_reads_in_flight", "Reads the IO engine has in flight."),
         "estimate_age_ms": _g("estimate_age_seconds", "Age of the predictor's estimate in "
                               "use.", 1e-3),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common.bus import control_endpoint_for
 from common.bus import stats as control_stats
-from common.cache_client import CacheClient, CacheManagerUnavailable
+from common.cache_client import ArenaUnreachable, CacheClient, CacheManagerUnavailable
 from common.config import FlashMoEConfig, allowed_hosts
 from common.service import Service, ServiceFailed, run_service_process
 from common.store import StoreError
@@ -54,6 +54,10 @@ class WebServerStopped(ServiceFailed):
     what = "the web server stopped"
 
 
+class ArenaLost(ServiceFailed):
+    what = "a cache manager whose arena this process cannot map"
+
+
 def model_name(config: FlashMoEConfig, store: str | Path) -> str:
     return config.serve.model_name or Path(store).resolve().name
 
@@ -61,19 +65,26 @@ def model_name(config: FlashMoEConfig, store: str | Path) -> str:
 class Connection:
     """The worker's link to the cache manager. A manager that went away (restarted by its
     supervisor, or one that dropped this worker) fails the fetch in progress and the client is
-    dropped; the next fetch (the engine does the step again) connects anew."""
+    dropped; the next fetch (the engine does the step again) connects anew. A new manager
+    whose arena this process cannot map (``ArenaUnreachable``) is noted in ``unreachable``:
+    the worker then exits, for its supervisor (or container engine) to start it again."""
 
     def __init__(self, endpoint: str, config: FlashMoEConfig,
                  shape: dict[str, int] | None = None) -> None:
         self.endpoint, self.config, self.shape = endpoint, config, shape
         self.client: CacheClient | None = None
+        self.unreachable: str | None = None  # why no new client of this process can work
         self.runner: ModelRunner | None = None
         self.connect()
 
     def connect(self) -> CacheClient:
         if self.client is None:
-            self.client = CacheClient(self.endpoint, self.config, name="serve",
-                                      shape=self.shape)
+            try:
+                self.client = CacheClient(self.endpoint, self.config, name="serve",
+                                          shape=self.shape)
+            except ArenaUnreachable as exc:
+                self.unreachable = str(exc)  # the worker's on_tick ends the process
+                raise
             self._fetch = arena_fetch(self.client)
             if self.runner is not None:
                 self.runner._last_layer = None  # the new manager holds no pins of ours
@@ -234,6 +245,8 @@ class ServeWorker(Service):
             raise WebServerStopped("uvicorn's thread ended")
         if self.serving.load_error:
             raise ModelNotLoaded(self.serving.load_error)
+        if self.connection is not None and self.connection.unreachable:
+            raise ArenaLost(self.connection.unreachable)
 
     def stats(self) -> dict:
         out = super().stats()

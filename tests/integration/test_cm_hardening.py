@@ -238,6 +238,40 @@ def test_removed_arena_makes_the_manager_exit_for_a_restart(tiny_store, start_ma
     assert "removed" in manager.log()
 
 
+_OTHER_SHM_CHILD = """
+import sys
+from common.cache_client import ArenaUnreachable, CacheClient
+try:
+    CacheClient(sys.argv[1])
+except ArenaUnreachable as exc:
+    print("unreachable:", exc)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_a_worker_with_another_dev_shm_is_told_the_arena_is_unreachable(tiny_store,
+                                                                          start_manager):
+    """A container joined to the IPC namespace of a cache manager that restarted since keeps
+    the old /dev/shm: the handshake works (the sockets are files of a shared volume) but the
+    new arena is not there. Here a child in a mount namespace of its own with a fresh tmpfs on
+    /dev/shm: it gets ArenaUnreachable, which ends a serving worker for a restart."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private /dev/shm")
+    manager = start_manager(tiny_store)
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"', sys.executable, "-c",
+         _OTHER_SHM_CHILD, manager.endpoint],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is not in this process's /dev/shm" in result.stdout
+    with CacheClient(manager.endpoint):  # the manager itself goes on
+        pass
+
+
 @pytest.mark.parametrize("engine", ["pread", "uring"])
 def test_a_transient_eio_is_read_again_and_costs_no_request(engine, tiny_store, start_manager):
     """eio:3 fails every third read: each failed read is retried once, and the retry (the

@@ -225,3 +225,52 @@ def test_auto_falls_back_to_pread_with_reason(store_and_arena, monkeypatch, tmp_
         open_engine("uring", arena.mmap, arena.slot_bytes, N_SLOTS, store.stripe_paths, 4)
     with pytest.raises(IOEngineError, match="unknown IO engine"):
         open_engine("spdk", arena.mmap, arena.slot_bytes, N_SLOTS, store.stripe_paths, 4)
+
+
+# A child that may pin only 64 KiB: as root it first loses CAP_IPC_LOCK (which lifts the
+# limit), as another user the limit alone holds.
+_LOW_MEMLOCK_CHILD = r"""
+import resource, sys
+import numpy as np
+from common.arena import Arena
+from common.store import ExpertStore
+from services.cache_manager.io_engine import open_engine
+
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+store = ExpertStore.open(sys.argv[1])
+arena = Arena.create(8, store.manifest.slot_bytes)
+engine, reason = open_engine("uring", arena.mmap, arena.slot_bytes, 8, store.stripe_paths, 4)
+keys = store.keys()[:4]
+ops = np.concatenate([store.read_ops(l, e, slot) for slot, (l, e) in enumerate(keys)])
+engine.read(ops)
+for slot, (l, e) in enumerate(keys):
+    store.verify_expert_bytes(l, e, arena.slot(slot))
+print(engine.name, int(engine.fixed_buffers), engine.fixed_buffers_reason)
+engine.close()
+arena.close()
+"""
+
+
+@pytest.mark.uring
+def test_uring_reads_into_unregistered_slots_where_memlock_is_too_low(tiny_store):
+    """A container that may not raise RLIMIT_MEMLOCK still gets io_uring with O_DIRECT: the
+    arena is not registered as fixed buffers, the reads land in its slots all the same, and
+    the engine says so."""
+    if not URING_OK:
+        pytest.skip(f"io_uring helper unavailable: {URING_WHY}")
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root keeps CAP_IPC_LOCK without setpriv (util-linux)")
+        prefix = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"]
+    result = subprocess.run([*prefix, sys.executable, "-c", _LOW_MEMLOCK_CHILD, str(tiny_store)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    name, fixed, reason = result.stdout.strip().split(" ", 2)
+    assert (name, fixed) == ("uring", "0")
+    assert "memlock limit 65536 bytes" in reason and "unregistered" in reason

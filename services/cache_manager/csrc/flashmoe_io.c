@@ -2,7 +2,10 @@
  * flashmoe_io: the io_uring read helper of the cache manager.
  *
  * The arena's slots are registered as fixed buffers and the stripe files (opened O_DIRECT) as
- * fixed files; reads are io_uring_prep_read_fixed. The API is asynchronous so that the cache
+ * fixed files; reads are io_uring_prep_read_fixed. Where the buffers cannot be registered (the
+ * kernel charges them to RLIMIT_MEMLOCK, which a container may not be allowed to raise) the ring
+ * runs without them: reads are io_uring_prep_read into the same slots, and
+ * fm_ring_fixed_buffers() says 0 and why (the registration's -errno). The API is asynchronous so that the cache
  * manager's one poll loop never blocks on the disk:
  *
  *   fm_submit(ops)  registers a batch of reads (the caller keeps `ops` alive until the batch is
@@ -45,7 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FM_ABI_VERSION 2
+#define FM_ABI_VERSION 3
 #define FM_MAX_BUFFERS 16384 /* IORING_MAX_REG_BUFFERS */
 #define FM_MAX_BATCHES 4096
 #define FM_SHORTEN 4096 /* what FM_FAULT_SHORT_READ takes off a read */
@@ -100,6 +103,8 @@ typedef struct {
     unsigned depth;
     struct iovec *bufs;
     unsigned nbufs;
+    int fixed_bufs;      /* 1: bufs are registered (read_fixed); 0: plain reads into them */
+    int bufs_error;      /* 0, or the -errno io_uring_register_buffers gave */
     int *fds;
     unsigned nfiles;
     int efd;
@@ -196,7 +201,15 @@ int fm_ring_open(unsigned depth, void *base, uint64_t slot_bytes, unsigned nslot
         r->bufs[i].iov_len = slot_bytes;
     }
     ret = io_uring_register_buffers(&r->ring, r->bufs, nslots);
-    if (ret < 0) goto fail;
+    if (ret == -ENOMEM || ret == -EPERM) {
+        /* Over RLIMIT_MEMLOCK (or not allowed to pin): read into the slots unregistered. */
+        r->fixed_bufs = 0;
+        r->bufs_error = ret;
+    } else if (ret < 0) {
+        goto fail;
+    } else {
+        r->fixed_bufs = 1;
+    }
     r->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (r->efd < 0) {
         ret = -errno;
@@ -237,6 +250,13 @@ int fm_ring_register_files(fm_ring *r, const char **paths, unsigned n) {
 }
 
 int fm_ring_eventfd(const fm_ring *r) { return r->efd; }
+
+/* 1 when the slots are registered fixed buffers; 0 when reads go to them unregistered, and then
+ * *err is the registration's -errno. */
+int fm_ring_fixed_buffers(const fm_ring *r, int *err) {
+    if (err) *err = r->bufs_error;
+    return r->fixed_bufs;
+}
 
 /* Reads in flight: in the kernel, or arrived and held back by FM_FAULT_DELAY. Never above
  * depth. Reads accepted but waiting for a free queue entry are fm_queued(). */
@@ -401,8 +421,11 @@ static int fill(fm_ring *r, unsigned limit) {
             r->faults_injected++;
         }
         void *dst = (char *)r->bufs[op->buf_index].iov_base + op->buf_offset;
-        io_uring_prep_read_fixed(sqe, op->file_index, dst, length, op->file_offset,
-                                 op->buf_index);
+        if (r->fixed_bufs)
+            io_uring_prep_read_fixed(sqe, op->file_index, dst, length, op->file_offset,
+                                     op->buf_index);
+        else
+            io_uring_prep_read(sqe, op->file_index, dst, length, op->file_offset);
         sqe->flags |= IOSQE_FIXED_FILE;
         io_uring_sqe_set_data64(sqe, make_tag((unsigned)slot, b->id, idx));
         op->t_submit_ns = now_ns();

@@ -105,6 +105,10 @@ class EngineBase:
     the bound, complete every batch; returns (drained, those batches))."""
 
     name: str
+    # Reads land in arena slots registered with the kernel (io_uring fixed buffers); where
+    # they are not, ``fixed_buffers_reason`` says why.
+    fixed_buffers = False
+    fixed_buffers_reason = "the pread engine registers no buffers"
 
     def __init__(self, depth: int, drain_timeout_s: float) -> None:
         if depth < 1:

@@ -1,6 +1,9 @@
 """The io_uring engine: the liburing C helper (``csrc/flashmoe_io.c``) with arena slots
 registered as fixed buffers, stripe files opened O_DIRECT and registered as fixed files, reads
-issued with ``io_uring_prep_read_fixed``. ``build_helper`` compiles the helper;
+issued with ``io_uring_prep_read_fixed``. Where the slots cannot be registered (pinned memory
+is charged to RLIMIT_MEMLOCK, which a container may not raise) the reads go to them
+unregistered: still io_uring and O_DIRECT, and ``fixed_buffers`` says False and why.
+``build_helper`` compiles the helper;
 ``probe_uring`` says whether this process may set up a ring.
 """
 
@@ -10,6 +13,7 @@ import ctypes
 import errno
 import logging
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 HELPER_SOURCE = CSRC_DIR / "flashmoe_io.c"
 HELPER_LIBRARY = CSRC_DIR / "libflashmoe_io.so"
-HELPER_ABI_VERSION = 2
+HELPER_ABI_VERSION = 3
 # Fault kind -> the helper's FM_FAULT_* number.
 HELPER_FAULTS = {"delay": 1, "short_read": 2, "submit_error": 3, "stale": 4}
 
@@ -60,6 +64,7 @@ def _load_helper() -> ctypes.CDLL:
         "fm_ring_register_files": ([ring, ctypes.POINTER(ctypes.c_char_p), ctypes.c_uint],
                                    ctypes.c_int),
         "fm_ring_eventfd": ([ring], ctypes.c_int),
+        "fm_ring_fixed_buffers": ([ring, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
         "fm_submit": ([ring, ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(u64)], ctypes.c_int),
         "fm_reap": ([ring, ctypes.POINTER(u64), ctypes.c_uint], ctypes.c_int),
         "fm_inflight": ([ring], ctypes.c_uint),
@@ -116,8 +121,19 @@ class UringEngine(EngineBase):
         ring = ctypes.c_void_p()
         ret = self._lib.fm_ring_open(depth, _buffer_address(buffer), slot_bytes, n_slots,
                                      ctypes.byref(ring))
-        _check_errno(ret, "io_uring setup / buffer registration")
+        _check_errno(ret, "io_uring setup")
         self._ring = ring
+        error = ctypes.c_int(0)
+        self.fixed_buffers = bool(self._lib.fm_ring_fixed_buffers(ring, ctypes.byref(error)))
+        self.fixed_buffers_reason = ""
+        if not self.fixed_buffers:
+            limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+            shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+            self.fixed_buffers_reason = (
+                f"registering the arena ({slot_bytes * n_slots} bytes) as fixed buffers "
+                f"failed: {os.strerror(-error.value)} (errno {-error.value}; memlock limit "
+                f"{shown}); reads go to the slots unregistered")
+            log.warning("io_uring: %s", self.fixed_buffers_reason)
         self.drain_timeout_s = drain_timeout_s
         paths = (ctypes.c_char_p * len(files))(*[os.fsencode(p) for p in files])
         ret = self._lib.fm_ring_register_files(ring, paths, len(files))
