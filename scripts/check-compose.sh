@@ -76,9 +76,9 @@ check() {  # check "EXPECTED SERVICES" COMPOSE ARGS...
 }
 
 edge="cache_manager feature_extractor panel predictor serve "
-replay="cache_manager feature_extractor panel predictor replay serve "
+replay="cache_manager feature_extractor panel predictor serve trace_worker "
 cluster="cache_manager feature_extractor panel predictor redis serve "
-both="cache_manager feature_extractor panel predictor redis replay serve "
+both="cache_manager feature_extractor panel predictor redis serve trace_worker "
 check "$edge" -f "$DIR/compose.yaml"
 check "$replay" -f "$DIR/compose.yaml" --profile replay
 check "$cluster" -f "$DIR/compose.yaml" --profile cluster

@@ -273,7 +273,7 @@ def test_cluster_profile_adds_redis_and_the_redis_flag(standin, client):
     for service, command in COMMANDS.items():
         assert bodies[service]["Cmd"] == [*command, "--redis", "redis://redis:6379"]
     assert "flashmoe_redis-data" in standin.engine.volumes
-    replay = load_project([COMPOSE, CLUSTER], profiles=["cluster", "replay"]).services["replay"]
+    replay = load_project([COMPOSE, CLUSTER], profiles=["cluster", "replay"]).services["trace_worker"]
     assert replay.command == [*REPLAY, "--redis", "redis://redis:6379"]
     assert replay.profiles == ["replay"]
     with pytest.raises(DeployError, match="depends on redis"):
@@ -297,8 +297,8 @@ def test_api_port_and_store_come_from_the_environment(standin, client, monkeypat
 def test_replay_profile_adds_the_trace_replay(standin, client):
     up(client, profiles=["replay"])
     bodies = creates(standin)
-    assert set(bodies) == {*COMMANDS, "replay"}
-    replay = bodies["replay"]
+    assert set(bodies) == {*COMMANDS, "trace_worker"}
+    replay = bodies["trace_worker"]
     assert replay["Cmd"] == REPLAY
     host = replay["HostConfig"]
     assert host["IpcMode"] == "container:flashmoe-cache_manager-1"
@@ -310,19 +310,19 @@ def test_replay_profile_adds_the_trace_replay(standin, client):
     assert "python" in replay["Healthcheck"]["Test"]
     # Each worker binds its own events socket; the feature extractor reads both.
     events = {s: bodies[s]["Cmd"][bodies[s]["Cmd"].index("--events") + 1]
-              for s in ("serve", "replay", "feature_extractor")}
-    assert events["serve"] != events["replay"]
-    assert events["feature_extractor"].split(",") == [events["serve"], events["replay"]]
+              for s in ("serve", "trace_worker", "feature_extractor")}
+    assert events["serve"] != events["trace_worker"]
+    assert events["feature_extractor"].split(",") == [events["serve"], events["trace_worker"]]
     assert not standin.refused
 
 
 def test_up_of_named_services_starts_them_and_their_dependencies(standin, client):
     # The replay without the API worker: naming a service enables its profile.
-    rows, _ = up(client, services=["replay", "panel"])
+    rows, _ = up(client, services=["trace_worker", "panel"])
     assert set(creates(standin)) == {"cache_manager", "feature_extractor", "predictor",
-                                     "replay", "panel"}
+                                     "trace_worker", "panel"}
     assert [r.service for r in rows] == ["cache_manager", "feature_extractor", "predictor",
-                                         "replay", "panel"]
+                                         "trace_worker", "panel"]
     with pytest.raises(DeployError, match="no such service: api"):
         up(client, services=["api"])
 
