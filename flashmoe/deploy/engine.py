@@ -3,6 +3,7 @@ SDK, and the status of its services."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
 import json
@@ -213,24 +214,68 @@ def _dockerfile_sources(dockerfile: Path) -> list[str]:
     return sources
 
 
+def _dockerignore(context: Path) -> list[str]:
+    """The context's .dockerignore patterns (comments and blank lines dropped; ``!``
+    exceptions are not supported and refused)."""
+    path = context / ".dockerignore"
+    if not path.is_file():
+        return []
+    patterns = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("!"):
+            raise DeployError(f"{path}: exception patterns ({line}) are not supported by "
+                              f"flashmoe deploy; build the image with docker build")
+        patterns.append(line.strip("/"))
+    return patterns
+
+
+def _ignored(rel: str, patterns: list[str]) -> bool:
+    """Whether ``rel`` (or a folder above it) matches a .dockerignore pattern; ``**/`` matches
+    any number of folders."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        tails = [pattern]
+        while tails[-1].startswith("**/"):
+            tails.append(tails[-1][3:])
+        for prefix in prefixes:
+            for tail in tails:
+                if fnmatch.fnmatchcase(prefix, tail):
+                    return True
+                if tail is not pattern and any(fnmatch.fnmatchcase(
+                        "/".join(parts[i:len(prefix.split("/"))]), tail)
+                        for i in range(len(prefix.split("/")))):
+                    return True
+    return False
+
+
 def build_context(build: Build) -> io.BytesIO:
     """A tar of the Dockerfile and the context files its COPY/ADD instructions read (never
     caches, virtual environments or compiled objects)."""
     dockerfile = build.context / build.dockerfile
     if not dockerfile.is_file():
         raise DeployError(f"Dockerfile {dockerfile} does not exist")
+    ignore = _dockerignore(build.context)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(dockerfile, arcname=build.dockerfile)
         for pattern in _dockerfile_sources(dockerfile):
-            matches = sorted(build.context.glob(pattern.lstrip("/"))) or []
+            pattern = pattern.lstrip("/")
+            if pattern.rstrip("/") in ("", "."):  # the whole context, less .dockerignore's
+                matches = [build.context]
+            else:
+                matches = sorted(build.context.glob(pattern)) or []
             if not matches:
                 raise DeployError(f"{dockerfile}: COPY source {pattern!r} matches nothing in "
                                   f"{build.context}")
             for path in matches:
                 for item in ([path] if path.is_file() else sorted(path.rglob("*"))):
                     rel = item.relative_to(build.context).as_posix()
-                    if item.is_file() and not _CONTEXT_SKIP.search(rel):
+                    if item.is_file() and not _CONTEXT_SKIP.search(rel) \
+                            and not _ignored(rel, ignore):
                         tar.add(item, arcname=rel, recursive=False)
     buf.seek(0)
     return buf
