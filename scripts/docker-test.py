@@ -31,6 +31,7 @@ Usage: .venv/bin/python scripts/docker-test.py [--json FILE] [--keep-images]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -204,11 +205,19 @@ def base_images(engine: Engine) -> dict[str, str]:
     return dict(DEBIAN)
 
 
+@functools.cache
+def installed_torch() -> str:
+    """The torch version of this checkout's environment (the image installs the same)."""
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 def requirements() -> list[str]:
     """What the image installs: the project's dependencies (torch as installed here) and its
     build backend."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    torch = run([PYTHON, "-c", "import torch; print(torch.__version__)"], quiet=True).strip()
+    torch = installed_torch()
     deps = [f"torch=={torch}" if re.match(r"torch\b", d) else d
             for d in project["project"]["dependencies"]]
     return [*deps, *project["build-system"]["requires"], "wheel"]
@@ -248,7 +257,7 @@ def fill_build_folders(engine: Engine, python_image: str) -> None:
 
 
 def build_image(engine: Engine, bases: dict[str, str]) -> float:
-    torch = run([PYTHON, "-c", "import torch; print(torch.__version__)"], quiet=True).strip()
+    torch = installed_torch()
     t0 = time.monotonic()
     engine.docker("build", "--network", "host", "-f", ROOT / "docker" / "Dockerfile",
                   "-t", TAG,

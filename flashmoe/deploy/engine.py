@@ -233,22 +233,17 @@ def _dockerignore(context: Path) -> list[str]:
 
 
 def _ignored(rel: str, patterns: list[str]) -> bool:
-    """Whether ``rel`` (or a folder above it) matches a .dockerignore pattern; ``**/`` matches
-    any number of folders."""
+    """Whether ``rel`` (or a folder above it) matches a .dockerignore pattern; a pattern that
+    starts with ``**/`` matches below any number of folders."""
     parts = rel.split("/")
-    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
     for pattern in patterns:
-        tails = [pattern]
-        while tails[-1].startswith("**/"):
-            tails.append(tails[-1][3:])
-        for prefix in prefixes:
-            for tail in tails:
-                if fnmatch.fnmatchcase(prefix, tail):
-                    return True
-                if tail is not pattern and any(fnmatch.fnmatchcase(
-                        "/".join(parts[i:len(prefix.split("/"))]), tail)
-                        for i in range(len(prefix.split("/")))):
-                    return True
+        tail = pattern
+        while tail.startswith("**/"):
+            tail = tail[3:]
+        starts = range(len(parts)) if tail != pattern else (0,)
+        if any(fnmatch.fnmatchcase("/".join(parts[i:j]), tail)
+               for i in starts for j in range(i + 1, len(parts) + 1)):
+            return True
     return False
 
 
