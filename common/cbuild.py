@@ -33,3 +33,20 @@ def build_library(source: Path, library: Path, flags: list[str] | None = None,
                          f"{proc.stderr.strip()}")
     os.replace(tmp, library)
     return library
+
+
+def load_library(library: Path, abi_symbol: str, abi_version: int):
+    """(the loaded library, "") or (None, why not): not built, not loadable, or built from
+    another ABI (``abi_symbol()`` answers its version)."""
+    import ctypes
+
+    if not library.exists():
+        return None, f"{library.name} not built (run `flashmoe build-helper`)"
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as exc:
+        return None, f"{library.name} does not load: {exc}"
+    if getattr(lib, abi_symbol)() != abi_version:
+        return None, (f"{library.name} is stale (ABI mismatch; run `flashmoe build-helper "
+                      f"--force`)")
+    return lib, ""

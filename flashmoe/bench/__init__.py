@@ -34,6 +34,8 @@ BENCHMARKS = (
     Benchmark("bus-bench", "bus", "events per second through the learning path's bus"),
     Benchmark("task-shift", "task_shift", "hit rate over the eval split's task switches, and "
                                           "what drift handling buys"),
+    Benchmark("precision-report", "precision_report", "what INT8 and INT4 expert copies do "
+              "to the experts' outputs and the next-token distributions"),
     Benchmark("learning-report", "learning_report", "recall of the predictions against "
               "baselines; the inference precisions (fp32, bf16, int8)"),
     Benchmark("learner-cpu", "learner_cpu", "the learning path's CPU a token in-process, with "

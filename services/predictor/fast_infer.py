@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.cbuild import build_library
+from common.cbuild import build_library, load_library
 
 from .model import BUCKETS, HEADS, INV, INV_SHIFTED, INV_SHIFTED2, VARIANTS
 
@@ -43,16 +43,8 @@ def load() -> ctypes.CDLL | None:
     global _lib, _why_not
     if _lib is not None or _why_not:
         return _lib
-    if not LIBRARY.exists():
-        _why_not = f"{LIBRARY.name} not built (run `flashmoe build-helper`)"
-        return None
-    try:
-        lib = ctypes.CDLL(str(LIBRARY))
-    except OSError as exc:
-        _why_not = f"{LIBRARY.name} does not load: {exc}"
-        return None
-    if lib.fm_infer_abi_version() != ABI_VERSION:
-        _why_not = f"{LIBRARY.name} is stale (ABI mismatch; run `flashmoe build-helper --force`)"
+    lib, _why_not = load_library(LIBRARY, "fm_infer_abi_version", ABI_VERSION)
+    if lib is None:
         return None
     ptr, i = ctypes.c_void_p, ctypes.c_int
     lib.fm_infer.argtypes = [i, i, i, i, i, i] + [ptr] * 12
