@@ -73,6 +73,9 @@ class ModelFamily:
     non_expert_renames: tuple[tuple[str, str], ...] = field(default=())
     # transformers' config and model classes of the family (names in the transformers module).
     transformers_classes: tuple[str, str] = ("", "")
+    # Whether the experts' weight matrices are [in, out] (``x @ W``, GPT-OSS) rather than
+    # [out, in] (``F.linear``): a precision copy stores them as [out, in] (common/quant.py).
+    weights_in_out: bool = False
 
     def parse_key(self, key: str) -> tuple[int, int, str] | None:
         """(layer, expert, projection) of a per-expert checkpoint key; None for any other key
@@ -212,7 +215,7 @@ FAMILIES: dict[str, ModelFamily] = {
         unsupported_why="MXFP4-quantized experts cannot be stored yet; dequantize the "
                         "checkpoint first (transformers: Mxfp4Config(dequantize=True), then "
                         "save_pretrained)",
-        transformers_classes=("GptOssConfig", "GptOssForCausalLM")),
+        transformers_classes=("GptOssConfig", "GptOssForCausalLM"), weights_in_out=True),
 }
 
 

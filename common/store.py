@@ -16,6 +16,13 @@ checksums.
 The manifest is written last and renamed into place; a folder without a valid manifest is
 not a store.
 
+Precision copies (optional): a sub-folder per lower precision (``int8/``, ``int4/``) holds the
+same experts quantized (``common/quant.py``), as a store of its own: its ``manifest.json``
+(``precision``, ``group_size``, the projections stored transposed, the native manifest's
+``source_digest``) and its ``stripe_<k>.bin`` files, blocked, striped and checksummed the same
+way. A copy whose digest is not its store's (the native experts were rewritten since) is not
+opened. A store without copies works as one with.
+
 Locking: an opened store holds a shared ``flock`` on its manifest (opened read-only, so a
 read-only mount works) for as long as the ``ExpertStore`` lives; a writer (``write_lock``)
 takes an exclusive non-blocking lock on the folder and on the manifest there is, and refuses
@@ -30,7 +37,8 @@ import math
 import os
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -50,6 +58,8 @@ CRC_MAX = (1 << 32) - 1
 BIG = 1 << 62  # bound of a manifest's integers (sizes, offsets, counts)
 MAX_BLOCK_SIZE = 1 << 30  # a block's read length is a 32-bit field of the IO engines' ops
 MAX_COUNT = 1 << 20  # layers of a model, experts of a layer
+NATIVE = "native"
+COPY_PRECISIONS = ("int8", "int4")  # the lower precisions a store may hold copies of
 
 
 class StoreError(RuntimeError):
@@ -221,10 +231,15 @@ class Manifest:
     experts: tuple[ExpertEntry, ...]
     block_crc: tuple[int, ...]
     stripe_sizes: tuple[int, ...]
-    files: tuple[FileEntry, ...]  # one per SIDE_FILES name
+    files: tuple[FileEntry, ...]  # one per SIDE_FILES name (none in a precision copy)
+    precision: str = NATIVE  # a copy's precision (COPY_PRECISIONS)
+    # a copy's quantization: group_size, transposed (projection names), source_digest
+    quant: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {
+        copy = {} if self.precision == NATIVE else {"precision": self.precision,
+                                                     "quant": self.quant}
+        return {**copy, 
             "format_version": self.format_version, "model_family": self.model_family,
             "model_type": self.model_type, "num_layers": self.num_layers,
             "moe_layers": list(self.moe_layers), "num_experts": self.num_experts,
@@ -278,6 +293,19 @@ class Manifest:
                        fields.integer("block_size"), fields.integer("parallelism"),
                        tuple(experts), tuple(fields.integers("block_crc", hi=CRC_MAX)),
                        tuple(stripes), tuple(files))
+        if "precision" in data:
+            precision = fields.text("precision")
+            if precision not in COPY_PRECISIONS:
+                raise StoreError(f"{where}: precision {_short(precision)} is not one of "
+                                 f"{list(COPY_PRECISIONS)}")
+            quant = _Fields(data, where, "manifest").value("quant")
+            if not isinstance(quant, dict) or not isinstance(quant.get("transposed"), list) \
+                    or not isinstance(quant.get("source_digest"), str) \
+                    or not isinstance(quant.get("group_size"), int) \
+                    or not 0 < quant["group_size"] <= MAX_COUNT:
+                raise StoreError(f"{where}: quant must be an object with group_size, "
+                                 f"transposed and source_digest, got {_short(quant)}")
+            manifest = dataclasses_replace(manifest, precision=precision, quant=quant)
         manifest.validate(where)
         return manifest
 
@@ -316,9 +344,20 @@ class Manifest:
         if len(self.stripe_sizes) != self.parallelism:
             raise StoreError(f"{where}: {len(self.stripe_sizes)} stripes listed, parallelism "
                              f"{self.parallelism}")
-        if sorted(f.name for f in self.files) != sorted(SIDE_FILES):
+        if self.precision != NATIVE:
+            if self.files:
+                raise StoreError(f"{where}: a precision copy lists side files")
+        elif sorted(f.name for f in self.files) != sorted(SIDE_FILES):
             raise StoreError(f"{where}: files listed are {[f.name for f in self.files]}, "
                              f"expected {list(SIDE_FILES)}")
+
+    def digest(self) -> str:
+        """A fingerprint of the experts' bytes (their blocks' checksums and layout): a copy
+        records its source's and is used only with it."""
+        h = zlib.crc32(json.dumps([self.block_size, self.parallelism, [
+            [e.layer, e.expert, e.nbytes] for e in self.experts]]).encode())
+        h = zlib.crc32(np.asarray(self.block_crc, dtype=np.uint32).tobytes(), h)
+        return f"{h:08x}-{len(self.block_crc)}"
 
     @property
     def max_expert_bytes(self) -> int:
@@ -425,11 +464,18 @@ class ExpertStore:
     on the manifest until ``close()`` (or until it is garbage collected): no writer rewrites
     the store meanwhile."""
 
-    def __init__(self, path: Path, manifest: Manifest, lock_fd: int | None = None) -> None:
+    def __init__(self, path: Path, manifest: Manifest, lock_fd: int | None = None,
+                 file_base: int = 0) -> None:
         self._lock_fd = lock_fd
         self.path = path
         self.manifest = manifest
+        self.precision = manifest.precision
+        # This store's stripes, then (in the native store) its copies': the IO engine's files.
+        # A read op's file_index counts from ``file_base`` (a copy's stripes come after).
+        self.file_base = file_base
         self.stripe_paths = [path / stripe_name(k) for k in range(manifest.parallelism)]
+        self.copies: dict[str, ExpertStore] = {}  # precision -> its copy, opened
+        self.copy_errors: dict[str, str] = {}  # precision -> why its copy was not opened
         self._index = {(e.layer, e.expert): e for e in manifest.experts}
         self._crc = np.asarray(manifest.block_crc, dtype=np.uint32)
         self._plans = {key: self._plan(e) for key, e in self._index.items()}
@@ -448,12 +494,75 @@ class ExpertStore:
         except BaseException:
             os.close(fd)
             raise
-        store.check_stripe_sizes()
-        store.check_file_sizes()
+        try:
+            store.check_stripe_sizes()
+            store.check_file_sizes()
+            store._open_copies()
+        except BaseException:
+            store.close()
+            raise
         return store
+
+    def _open_copies(self) -> None:
+        """Open the precision copies there are; one that is malformed, stale (made from other
+        native experts) or cut short is left closed, with the reason in ``copy_errors``."""
+        digest = self.manifest.digest()
+        base = self.manifest.parallelism
+        for precision in COPY_PRECISIONS:
+            folder = self.path / precision
+            if not (folder / MANIFEST_NAME).is_file():
+                continue
+            try:
+                fd, data = _read_manifest(folder)
+            except StoreError as exc:
+                self.copy_errors[precision] = str(exc)
+                continue
+            try:
+                m = Manifest.from_json(data, str(folder / MANIFEST_NAME))
+                if m.precision != precision:
+                    raise StoreError(f"{folder}: holds a {m.precision} copy")
+                if m.quant["source_digest"] != digest:
+                    raise StoreError(f"{folder}: made from other experts than the store's "
+                                     f"(stale); make the copies again (`flashmoe convert "
+                                     f"--precisions` or `synth-store --precisions`)")
+                if [(e.layer, e.expert) for e in m.experts] != \
+                        [(e.layer, e.expert) for e in self.manifest.experts]:
+                    raise StoreError(f"{folder}: lists other experts than the store")
+                copy = ExpertStore(folder, m, fd, file_base=base)
+                fd = None
+                copy.check_stripe_sizes()
+            except StoreError as exc:
+                self.copy_errors[precision] = str(exc)
+                if fd is not None:
+                    os.close(fd)
+                else:
+                    copy.close()
+                continue
+            self.copies[precision] = copy
+            self.stripe_paths = self.stripe_paths + copy.stripe_paths
+            base += m.parallelism
+
+    @property
+    def precisions(self) -> list[str]:
+        """The precisions this store can serve: native first, then its opened copies."""
+        return [NATIVE, *self.copies]
+
+    def at(self, precision: str) -> "ExpertStore":
+        """The store of ``precision`` (this one for native); StoreError if it has no copy."""
+        if precision == NATIVE or precision == self.precision:
+            return self
+        copy = self.copies.get(precision)
+        if copy is None:
+            why = self.copy_errors.get(precision, "none was made")
+            raise StoreError(f"{self.path}: no {precision} copy of the experts ({why}); make "
+                             f"one with `flashmoe convert --precisions bf16,int8,int4` or "
+                             f"`flashmoe synth-store --precisions int8,int4`")
+        return copy
 
     def close(self) -> None:
         """Release the store's lock (writers may rewrite it from now on)."""
+        for copy in getattr(self, "copies", {}).values():
+            copy.close()
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             os.close(fd)
@@ -519,7 +628,7 @@ class ExpertStore:
         ops = np.zeros(e.n_blocks, dtype=READ_OP_DTYPE)
         for i in range(e.n_blocks):
             stripe, offset = block_location(e.first_block + i, m.block_size, m.parallelism)
-            ops[i]["file_index"] = stripe
+            ops[i]["file_index"] = self.file_base + stripe
             ops[i]["file_offset"] = offset
             ops[i]["buf_offset"] = i * m.block_size
             ops[i]["length"] = block_read_len(e, i, m.block_size)
@@ -562,10 +671,18 @@ class ExpertStore:
                 raise ChecksumError(layer, expert, e.first_block + i, stripe, offset)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> Iterator[StoreError]:
-        """Check the side files, then every block with buffered reads; yields each bad file
+        """Check the side files, then every block with buffered reads, then the precision
+        copies' (a copy that did not open is a StoreError); yields each bad file
         (FileCheckError) and each bad block (ChecksumError), first one first. ``progress`` is
         called with each expert's bytes."""
         yield from self.verify_files()
+        yield from self._verify_blocks(progress)
+        for precision, why in self.copy_errors.items():
+            yield StoreError(f"{precision} copy: {why}")
+        for copy in self.copies.values():
+            yield from copy._verify_blocks(progress)
+
+    def _verify_blocks(self, progress: Callable[[int], None] | None) -> Iterator[StoreError]:
         bs = self.manifest.block_size
         files = []
         try:

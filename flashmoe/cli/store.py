@@ -33,6 +33,7 @@ def cmd_convert(args) -> int:
     manifest = convert_checkpoint(args.hf_dir, args.store, block_size=config.store.block_size,
                                   parallelism=config.store.parallelism,
                                   show_progress=not args.quiet)
+    _add_copies(args.store, args.precisions, args.quiet)
     total = sum(e.nbytes for e in manifest.experts)
     print(f"{args.store}: {manifest.model_family}, {len(manifest.moe_layers)} MoE layers x "
           f"{manifest.num_experts} experts, {total / 2**20:.1f} MiB of experts in "
@@ -51,10 +52,33 @@ def cmd_synth_store(args) -> int:
     check_synth_target(args.store, force=args.force)
     store = synth_store(args.store, args.shape, scale, config.store.block_size,
                         config.store.parallelism, seed=args.seed, show_progress=not args.quiet)
+    store.close()
+    _add_copies(args.store, args.precisions, args.quiet)
     total = sum(e.nbytes for e in store.manifest.experts)
     print(f"{args.store}: {args.shape} at scale {scale}, {len(store.keys())} experts of "
           f"{store.manifest.max_expert_bytes / 1e6:.2f} MB, {total / 1e9:.2f} GB in all")
     return 0
+
+
+def _add_copies(store_path: str, precisions: list[str], quiet: bool) -> None:
+    """Write the precision copies asked for that the store does not have yet."""
+    from flashmoe.tools.store_writer import missing_copies, write_copies
+
+    missing = missing_copies(store_path, precisions)
+    if missing:
+        write_copies(store_path, missing, show_progress=not quiet)
+        print(f"{store_path}: {', '.join(missing)} copies written")
+
+
+def _precisions(text: str) -> list[str]:
+    from common.store import COPY_PRECISIONS
+
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    for p in out:
+        if p not in ("bf16", "native", *COPY_PRECISIONS):
+            raise argparse.ArgumentTypeError(f"{p!r}: precisions are bf16 (native), "
+                                             f"{', '.join(COPY_PRECISIONS)}")
+    return out
 
 
 def cmd_verify(args) -> int:
@@ -68,7 +92,9 @@ def cmd_verify(args) -> int:
         for error in store.verify(progress=bar.update):
             print(f"{args.store}: {error}", file=sys.stderr)
             return 1
-    print(f"{args.store}: {len(store.manifest.block_crc)} blocks OK")
+    copies = "".join(f", {p} copy {len(c.manifest.block_crc)} blocks OK"
+                     for p, c in store.copies.items())
+    print(f"{args.store}: {len(store.manifest.block_crc)} blocks OK{copies}")
     return 0
 
 
@@ -88,12 +114,16 @@ def cmd_make_tiny_model(args) -> int:
 def cmd_build_helper(args) -> int:
     from common.cbuild import BuildError
     from services.cache_manager.io_engine import build_helper
+    from services.inference_worker import quantized
     from services.predictor import fast_infer
 
-    try:  # the predictor's fused inference (without it, the numpy path runs)
-        print(fast_infer.build(force=args.force))
-    except BuildError as exc:
-        print(f"warning: {exc}", file=sys.stderr)
+    # the predictor's fused inference (without it, the numpy path runs) and the worker's
+    # INT8/INT4 products (without them, dequantize-then-product in torch)
+    for helper in (fast_infer, quantized):
+        try:
+            print(helper.build(force=args.force))
+        except BuildError as exc:
+            print(f"warning: {exc}", file=sys.stderr)
     print(build_helper(force=args.force))
     return 0
 
@@ -103,6 +133,10 @@ def _add_layout_flags(p: argparse.ArgumentParser, block_help: str) -> None:
     p.add_argument("--parallelism", type=int, help="stripe files (default: store.parallelism)")
     p.add_argument("--force", action="store_true",
                    help="write into a folder that is not empty (replacing a store there)")
+    p.add_argument("--precisions", type=_precisions, default=["bf16"],
+                   help="the experts' precisions to store: bf16 (the native experts, always) "
+                        "plus int8 and/or int4 copies (cache.precision), e.g. bf16,int8,int4; "
+                        "an existing store gets the copies it lacks")
 
 
 def register(sub) -> None:
@@ -144,7 +178,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
 
-    p = sub.add_parser("build-helper", help="compile the C helpers: the io_uring engine's "
-                       "and the predictor's fused inference")
+    p = sub.add_parser("build-helper", help="compile the C helpers: the io_uring engine's, "
+                       "the predictor's fused inference and the worker's INT8/INT4 products")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_build_helper)

@@ -283,3 +283,24 @@ def test_a_store_on_a_read_only_mount_is_read_and_not_written(capsys, hf, store_
     rc, err = convert(capsys, hf, ro, "--force")
     assert rc != 0 and len(err) == 1 and "Read-only file system" in err[0], err
     assert snapshot(ro) == snapshot(store_copy)
+
+
+def test_convert_and_synth_store_write_the_precisions_asked_for(capsys, hf, tmp_path):
+    store = tmp_path / "store"
+    assert main(["convert", str(hf), str(store), "--precisions", "bf16,int8", "--quiet"]) == 0
+    assert "int8 copies written" in capsys.readouterr().out
+    with ExpertStore.open(store) as opened:
+        assert opened.precisions == ["native", "int8"]
+    assert main(["verify", str(store), "--quiet"]) == 0
+    assert "int8 copy" in capsys.readouterr().out
+    synth = tmp_path / "synth"
+    assert run_cli(capsys, "synth-store", str(synth), "--shape", "gpt-oss-tiny", "--quiet")[0] == 0
+    # an existing store gets the copies it lacks, its native experts untouched
+    before = snapshot(synth)
+    assert run_cli(capsys, "synth-store", str(synth), "--shape", "gpt-oss-tiny",
+                   "--precisions", "bf16,int8,int4", "--quiet")[0] == 0
+    after = snapshot(synth)
+    assert {k: v for k, v in after.items() if "/" not in k} == before
+    assert {k.split("/")[0] for k in after if "/" in k} == {"int8", "int4"}
+    rc, errors = run_cli(capsys, "synth-store", str(synth), "--precisions", "int2")
+    assert rc == 2 and any("int2" in e for e in errors)
