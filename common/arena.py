@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,9 @@ class Arena:
         start = slot_bytes * n_slots
         self.generations = self.view[start:start + 8 * n_slots].cast("Q")
         self._lock_fd = lock_fd  # the owner's open file, flock-ed while the arena lives
+        # slots by precision (the owner's plan, or a Ready message's): one native pool of
+        # one-unit slots unless set
+        self.layout = ArenaLayout(slot_bytes, (Pool("native", 0, n_slots, 1),))
 
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, prefix: str = "flashmoe") -> "Arena":
@@ -181,6 +185,13 @@ class Arena:
             raise IndexError(f"slot {index} out of range [0, {self.n_slots})")
         return self.view[index * self.slot_bytes:(index + 1) * self.slot_bytes]
 
+    def span(self, index: int, nbytes: int) -> memoryview:
+        """``nbytes`` from the start of slot ``index`` on (a slot of several units)."""
+        start = index * self.slot_bytes
+        if not 0 <= index < self.n_slots or start + nbytes > self.slot_bytes * self.n_slots:
+            raise IndexError(f"{nbytes} bytes at slot {index} lie outside the arena")
+        return self.view[start:start + nbytes]
+
     def numpy_views(self, index: int, entry: ExpertEntry) -> dict[str, np.ndarray]:
         """Each projection of the expert in slot ``index`` as a numpy array (no copy)."""
         data = self.slot(index)
@@ -223,3 +234,97 @@ def expert_torch_views(data, entry: ExpertEntry) -> dict:
             out[t.name] = torch.frombuffer(data, dtype=dtypes[t.dtype], count=count,
                                            offset=t.offset).view(t.shape)
     return out
+
+
+# --- the arena's layout by precision ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pool:
+    """The slots of one precision: ``n_slots`` slots of ``units`` consecutive arena units
+    each, the first at unit ``first``; a slot is named by its first unit."""
+    precision: str
+    first: int
+    n_slots: int
+    units: int
+
+    def slots(self) -> range:
+        return range(self.first, self.first + self.n_slots * self.units, self.units)
+
+    def __contains__(self, slot: int) -> bool:
+        return self.first <= slot < self.first + self.n_slots * self.units \
+            and (slot - self.first) % self.units == 0
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """How the arena's units are cut into slots of each precision. One native pool of
+    one-unit slots is the layout of a store without copies (``cache.precision = native``)."""
+    unit_bytes: int
+    pools: tuple[Pool, ...]
+
+    @property
+    def n_units(self) -> int:
+        last = self.pools[-1]
+        return last.first + last.n_slots * last.units
+
+    def pool_of(self, slot: int) -> Pool:
+        for pool in self.pools:
+            if slot in pool:
+                return pool
+        raise IndexError(f"slot {slot} is not a slot of the arena's layout")
+
+    def to_wire(self) -> list[list]:
+        return [[p.precision, p.first, p.n_slots, p.units] for p in self.pools]
+
+    @classmethod
+    def from_wire(cls, unit_bytes: int, n_units: int, pools: list) -> "ArenaLayout":
+        """The layout a Ready message describes (no pools: one native pool of every unit);
+        ValueError where it does not fit the arena."""
+        if not pools:
+            return cls(unit_bytes, (Pool("native", 0, n_units, 1),))
+        layout = cls(unit_bytes, tuple(Pool(str(p), int(f), int(n), int(u))
+                                       for p, f, n, u in pools))
+        if layout.n_units > n_units or any(p.n_slots < 0 or p.units < 1 for p in layout.pools):
+            raise ValueError(f"pools {pools} do not fit an arena of {n_units} units")
+        return layout
+
+
+def plan_layout(store, capacity_experts: int, precision: str,
+                split: tuple[float, float, float] = (0.2, 0.3, 0.5)) -> ArenaLayout:
+    """The arena's layout for ``cache.precision``. The budget is ``capacity_experts`` native
+    slots' bytes whatever the precision: at ``int8`` or ``int4`` it holds slots of that
+    copy's size; ``dynamic`` and ``random`` cut it into native, int8 and int4 pools by the
+    byte fractions ``split``, each slot a whole number of units of the int4 slot's size (a
+    block read that crosses units is cut in two at the boundary: cache_manager/loads.py). The
+    store
+    must hold the copies asked for (``store.at`` says how to make them)."""
+    wanted = {"int8": ("int8",), "int4": ("int4",)}.get(precision, ())
+    if precision in ("dynamic", "random"):
+        wanted = ("int8", "int4")
+    sizes = {"native": store.manifest.slot_bytes,
+             **{p: store.at(p).manifest.slot_bytes for p in wanted}}
+    return plan_pools(sizes, capacity_experts, precision, split)
+
+
+def plan_pools(sizes: dict[str, int], capacity_experts: int, precision: str,
+               split: tuple[float, float, float] = (0.2, 0.3, 0.5)) -> ArenaLayout:
+    """``plan_layout`` from the slot bytes of each precision (``sizes``: native, and the
+    copies the precision needs); the simulator's way in."""
+    native_slot = sizes["native"]
+    budget = capacity_experts * native_slot
+    if precision == "native":
+        return ArenaLayout(native_slot, (Pool("native", 0, capacity_experts, 1),))
+    if precision in ("int8", "int4"):
+        unit = sizes[precision]
+        return ArenaLayout(unit, (Pool(precision, 0, max(1, budget // unit), 1),))
+    if precision not in ("dynamic", "random"):
+        raise ValueError(f"cache.precision {precision!r}: one of native, int8, int4, dynamic, "
+                         f"random")
+    unit = sizes["int4"]
+    pools, first = [], 0
+    for name, share in zip(("native", "int8", "int4"), split):
+        units = -(-sizes[name] // unit)
+        n = max(1, int(share * budget) // (units * unit))
+        pools.append(Pool(name, first, n, units))
+        first += n * units
+    return ArenaLayout(unit, tuple(pools))

@@ -44,13 +44,13 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.arena import Arena
+from common.arena import Arena, ArenaLayout, expert_torch_views
 from common.bus import HARD_MAX_MESSAGE_BYTES, ConfigMismatch, make_socket
 from common.config import FlashMoEConfig
 from common.protocol import (AcquireError, AcquireRep, AcquireReq, CacheToWorker, Dead, Decoder,
                              Hello, Message, PrefetchHint, ProtocolError, Ready, Rejected,
                              Release, Released, StatsRep, StatsReq, encode)
-from common.store import ExpertStore
+from common.store import ExpertEntry, ExpertStore
 
 
 PEER_CHECK_MS = 50  # longest a wait goes without looking at the connection's state
@@ -131,6 +131,10 @@ class CacheClient:
             self.store = ExpertStore.open(ready.store_path)
             try:
                 self.arena = Arena.attach(ready.arena_name, ready.slot_bytes, ready.n_slots)
+                self.arena.layout = ArenaLayout.from_wire(ready.slot_bytes, ready.n_slots,
+                                                          ready.pools)
+                for pool in self.arena.layout.pools:
+                    self.store.at(pool.precision)  # StoreError: the copy is not here
             except FileNotFoundError:
                 raise ArenaUnreachable(
                     f"the cache manager's arena {ready.arena_name} is not in this process's "
@@ -276,8 +280,16 @@ class CacheClient:
                         token: str = "") -> list[dict]:
         """Zero-copy torch views of each expert's projections, in request order."""
         slots = self.acquire(layer, experts, release_layers, token)
-        return [self.arena.torch_views(slot, self.store.expert(layer, expert))
-                for expert, slot in zip(experts, slots)]
+        out = []
+        for expert, slot in zip(experts, slots):
+            _, entry = self.expert_entry(layer, expert, slot)
+            out.append(expert_torch_views(self.arena.span(slot, entry.nbytes), entry))
+        return out
+
+    def expert_entry(self, layer: int, expert: int, slot: int) -> tuple[str, ExpertEntry]:
+        """(the precision of ``slot``, the expert's layout at that precision)."""
+        precision = self.arena.layout.pool_of(slot).precision
+        return precision, self.store.at(precision).expert(layer, expert)
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Ask for experts ahead of use; no reply, nobody waits."""

@@ -97,6 +97,29 @@ class CacheConfig:
     scope: str = field(default="global", metadata=_spec(
         "global: one budget over all layers; layer: one budget per layer.",
         choices=("global", "layer")))
+    precision: str = field(default="native", metadata=_spec(
+        "The experts' precision in the arena: native (the store's), int8 or int4 (every "
+        "expert from that copy, more of them in the same bytes), dynamic (native, int8 and "
+        "int4 pools; each load's precision chosen by the learned estimate: cache.policy "
+        "flashmoe) or random (the same pools, each load's precision drawn with "
+        "cache.precision_fractions: the ablation of dynamic). The budget stays "
+        "capacity_experts native slots' bytes. The store needs the copies: `flashmoe "
+        "synth-store/convert --precisions bf16,int8,int4`.",
+        choices=("native", "int8", "int4", "dynamic", "random")))
+    precision_split: str = field(default="0.2,0.3,0.5", metadata=_spec(
+        "dynamic and random: the budget's byte fractions of the native, int8 and int4 pools "
+        "(three numbers, comma-separated)."))
+    precision_admit: float = field(default=1.0, metadata=_spec(
+        "dynamic: a miss is loaded at a better precision only if it is expected back sooner "
+        "than that pool's latest-expected resident by (its bytes / int4's bytes) to this "
+        "power (0: sooner at all).", lo=0.0, hi=8.0))
+    precision_upgrades: int = field(default=0, metadata=_spec(
+        "dynamic: most upgrades a decode step (a resident int4 or int8 expert read again at a "
+        "better precision while the disk would idle, once it is expected sooner than that "
+        "pool's worst resident by the precision_admit factor); 0: none.", lo=0, hi=64))
+    precision_fractions: str = field(default="", metadata=_spec(
+        "random: the probability of each precision (native, int8, int4) for a load; empty: "
+        "the pools' shares of slots."))
 
 
 @dataclass

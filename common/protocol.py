@@ -30,7 +30,8 @@ import msgspec
 # 5: AcquireReq.step (which decode step a request serves, in AccessEvent seq numbers).
 # 6: AccessEvent.prefill (a prompt position's routing, not a decode step's).
 # 7: Hello.shape (the model shape a worker expects; the manager refuses another).
-SCHEMA_VERSION = 7
+# 8: Ready.pools (the arena's slots by precision: cache.precision).
+SCHEMA_VERSION = 8
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
@@ -61,6 +62,10 @@ class Ready(Message):
     store_path: ShortText  # store folder; the worker reads the manifest for tensor layout
     engine: ShortText  # IO engine in use ("uring" or "pread")
     config_digests: Digests  # the cache manager's section digests
+    # [precision, first unit, slots, units a slot] per pool (common.arena.ArenaLayout); [] =
+    # every slot native, one unit each
+    pools: Annotated[list[tuple[ShortText, NonNeg, NonNeg, NonNeg]],
+                     msgspec.Meta(max_length=8)] = []
 
 
 class AcquireReq(Message):

@@ -149,6 +149,8 @@ class Run:
     peak_pss_bytes: int = 0
     stall_free_rate: float | None = None
     extra: dict = field(default_factory=dict)
+    precision: str = "native"
+    precision_mix: dict = field(default_factory=dict)  # precision -> share of router weight
 
 
 # --- the flat expert file of the mmap and ram modes ---------------------------------------------
@@ -205,12 +207,16 @@ def _learner_cpu(launcher: Launcher) -> dict:
 
 
 def run_system(mode: str, store: str, warmup: str | None, trace: str, tokens: int,
-               capacity: int, workdir: Path, budget: float, settings: tuple[str, ...] = ()
-               ) -> Run:
+               capacity: int, workdir: Path, budget: float, settings: tuple[str, ...] = (),
+               precision: str = "native", fractions: str = "") -> Run:
     """flashmoe or lru: the cache manager (+ the learning path for flashmoe, from the
     ``warmup`` checkpoint, or cold without one) and the worker. ``settings``: further config
-    overrides of the flashmoe mode (``--set``)."""
-    overrides = [f"store.path={store}", f"cache.capacity_experts={capacity}"]
+    overrides of the flashmoe mode (``--set``); ``precision``: cache.precision (``fractions``:
+    random's cache.precision_fractions)."""
+    overrides = [f"store.path={store}", f"cache.capacity_experts={capacity}",
+                 f"cache.precision={precision}"]
+    if fractions:
+        overrides.append(f"cache.precision_fractions={fractions}")
     if mode == "flashmoe":
         overrides += ["cache.policy=flashmoe", "prefetch.inline=true", *settings]
     else:
@@ -246,7 +252,7 @@ def run_system(mode: str, store: str, warmup: str | None, trace: str, tokens: in
         worker.wait()
         wall = time.perf_counter() - started
         learner = _learner_cpu(launcher) if mode == "flashmoe" else {}
-        run = Run(mode, budget, peak_pss_bytes=peak.stop())
+        run = Run(mode, budget, peak_pss_bytes=peak.stop(), precision=precision)
         if worker.returncode != 0:
             raise RuntimeError(f"{mode} worker failed: {(runtime / 'worker.log').read_text()[-2000:]}")
         stats = json.loads(out.read_text())
@@ -257,7 +263,10 @@ def run_system(mode: str, store: str, warmup: str | None, trace: str, tokens: in
         run.extra = {k: stats.get(k) for k in ("n_hit", "n_miss", "n_hit_loading",
                                                "prefetch_issued", "prefetch_learned",
                                                "prefetch_used", "prefetch_wasted",
-                                               "estimates_used", "engine")}
+                                               "estimates_used", "engine",
+                                               "n_load_native", "n_load_int8",
+                                               "n_load_int4")}
+        run.precision_mix = stats.get("precision_mix") or {}
         run.extra.update(learner)
         return run
     finally:
@@ -317,7 +326,12 @@ def summarize(runs: list[Run], tokens: int) -> dict:
     first = runs[0]
     bytes_read = statistics.median([r.bytes_read for r in runs])
     seconds = statistics.median([sum(r.token_ms) / 1e3 for r in runs])
-    return {"mode": first.mode, "budget_fraction": first.budget_fraction, "rounds": len(runs),
+    mixes = [r.precision_mix for r in runs if r.precision_mix]
+    mix = {p: round(statistics.mean(m.get(p, 0.0) for m in mixes), 4)
+           for p in sorted({p for m in mixes for p in m})} if mixes else \
+        ({first.precision: 1.0} if first.mode in ("flashmoe", "lru") else {"native": 1.0})
+    return {"mode": first.mode, "precision": first.precision, "precision_mix": mix,
+            "budget_fraction": first.budget_fraction, "rounds": len(runs),
             "tokens_per_s": round(statistics.median(tok_s), 3),
             "tokens_per_s_min": round(min(tok_s), 3), "tokens_per_s_max": round(max(tok_s), 3),
             "ms_per_token_p50": round(float(np.percentile(ms, 50)), 2),
@@ -336,13 +350,25 @@ def summarize(runs: list[Run], tokens: int) -> dict:
 def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, rounds: int,
               modes: list[str], warmup: str | None, trace: str = "gptoss20b:eval",
               seed: int = 0, shape: str = "gpt-oss-20b", settings: tuple[str, ...] = (),
-              say=print, warmup_label: str | None = None) -> dict:
+              say=print, warmup_label: str | None = None,
+              precisions: tuple[str, ...] = ("native",)) -> dict:
     """``warmup``: the flashmoe mode's checkpoint (None: the learner starts cold);
-    ``warmup_label``: what the report says of it (default: its own summary)."""
+    ``warmup_label``: what the report says of it (default: its own summary);
+    ``precisions``: the cache.precision settings of the flashmoe and lru modes (lru skips
+    dynamic and random, which need the learned estimate; random draws each load's precision
+    with the fractions of loads the same round's dynamic run made)."""
+    from flashmoe.tools.store_writer import missing_copies, write_copies
     from flashmoe.tools.synth_store import synth_store
 
     workdir.mkdir(parents=True, exist_ok=True)
     store = synth_store(workdir / f"store-{shape}-{scale}", shape, scale, show_progress=False)
+    if set(precisions) - {"native"}:
+        missing = missing_copies(store.path, ["int8", "int4"])
+        if missing:
+            store.close()
+            say(f"[e2e] writing the store's {', '.join(missing)} copies (first use only)")
+            write_copies(store.path, missing, show_progress=False)
+            store = ExpertStore.open(store.path)
     experts_bytes = sum(e.nbytes for e in store.manifest.experts)
     n_experts = len(store.manifest.experts)
     from common.traces import TraceError, load_trace
@@ -363,22 +389,35 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
     flat = flat_file(store, workdir / f"experts-{shape}-{scale}.bin") \
         if {"mmap", "ram"} & set(modes) else None
     rng = random.Random(seed)
-    runs: dict[tuple[str, float], list[Run]] = {}
+    runs: dict[tuple[str, str, float], list[Run]] = {}
     started = time.perf_counter()
+    contenders = [(mode, p) for mode in modes for p in
+                  (precisions if mode in ("flashmoe", "lru") else ("native",))
+                  if not (mode == "lru" and p in ("dynamic", "random"))]
     for budget in budgets:
         capacity = max(1, int(budget * n_experts))
         budget_bytes = int(budget * experts_bytes)
         for r in range(rounds):
-            for mode in rng.sample(modes, len(modes)):
+            order = rng.sample(contenders, len(contenders))
+            if ("flashmoe", "random") in order and ("flashmoe", "dynamic") in order:
+                order.remove(("flashmoe", "random"))  # after dynamic: it takes its fractions
+                order.insert(order.index(("flashmoe", "dynamic")) + 1, ("flashmoe", "random"))
+            fractions = ""
+            for mode, precision in order:
                 drop_page_cache()
                 if mode in ("flashmoe", "lru"):
                     run = run_system(mode, str(store.path), warmup, trace, tokens, capacity,
-                                     workdir, budget, tuple(settings))
+                                     workdir, budget, tuple(settings), precision,
+                                     fractions if precision == "random" else "")
+                    if precision == "dynamic":
+                        fractions = ",".join(str(run.extra.get(f"n_load_{p}") or 0)
+                                             for p in ("native", "int8", "int4"))
                 else:
                     run = run_flat(mode, flat, str(store.path), trace, tokens, budget_bytes,
                                    workdir, budget)
-                runs.setdefault((mode, budget), []).append(run)
-                say(f"[e2e] budget {budget:g} round {r + 1}/{rounds} {mode}: "
+                runs.setdefault((mode, precision, budget), []).append(run)
+                label = mode if precision == "native" else f"{mode}-{precision}"
+                say(f"[e2e] budget {budget:g} round {r + 1}/{rounds} {label}: "
                     f"{tokens / (sum(run.token_ms) / 1e3):.2f} tokens/s, "
                     f"{run.bytes_read / tokens / 1e6:.1f} MB/token")
     results = [summarize(runs[key], tokens) for key in runs]
@@ -390,19 +429,22 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'mode':<9} {'budget':>6} {'tok/s':>7} {'(min..max)':>14} {'p50 ms':>8} "
+    head = (f"{'mode':<9} {'precision':<9} {'budget':>6} {'tok/s':>7} {'(min..max)':>14} {'p50 ms':>8} "
             f"{'p99 ms':>8} {'SSD MB/s':>9} {'MB/token':>9} {'PSS GB':>7} {'stall-free':>10} "
-            f"{'learner ms':>10}")
+            f"{'learner ms':>10}  mix (native/int8/int4)")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         sf = f"{r['stall_free_rate']:.3f}" if r["stall_free_rate"] is not None else "-"
         cpu = r.get("learner_cpu_ms_per_token")
         cpu = f"{cpu:.2f}" if cpu is not None else "-"
-        rows.append(f"{r['mode']:<9} {r['budget_fraction']:>6g} {r['tokens_per_s']:>7.2f} "
+        rows.append(f"{r['mode']:<9} {r.get('precision', 'native'):<9} "
+                    f"{r['budget_fraction']:>6g} {r['tokens_per_s']:>7.2f} "
                     f"({r['tokens_per_s_min']:>5.2f}..{r['tokens_per_s_max']:<5.2f}) "
                     f"{r['ms_per_token_p50']:>8.1f} {r['ms_per_token_p99']:>8.1f} "
                     f"{r['ssd_mb_per_s'] or 0:>9.1f} {r['bytes_per_token'] / 1e6:>9.1f} "
-                    f"{r['peak_pss_bytes'] / 1e9:>7.2f} {sf:>10} {cpu:>10}")
+                    f"{r['peak_pss_bytes'] / 1e9:>7.2f} {sf:>10} {cpu:>10}  "
+                    + "/".join(f"{r.get('precision_mix', {}).get(p, 0):.2f}"
+                               for p in ("native", "int8", "int4")))
     for mode, reason in report["skipped"].items():
         rows.append(f"{mode}: skipped ({reason})")
     if "warmup" in report:
@@ -421,8 +463,10 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     budgets = sorted({r["budget_fraction"] for r in report["results"]})
-    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
-    by = {(r["mode"], r["budget_fraction"]): r for r in report["results"]}
+    label = lambda r: r["mode"] if r.get("precision", "native") == "native" \
+        else f"{r['mode']}-{r['precision']}"  # noqa: E731
+    modes = list(dict.fromkeys(label(r) for r in report["results"]))
+    by = {(label(r), r["budget_fraction"]): r for r in report["results"]}
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
@@ -459,6 +503,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=200, help="decode steps of the eval split")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per mode")
     p.add_argument("--modes", type=csv(str), default=["flashmoe", "lru", "mmap", "ram"])
+    p.add_argument("--precision", type=csv(str), default=["native"],
+                   help="cache.precision settings of the flashmoe and lru modes: native, int8, "
+                        "int4, dynamic, random (lru skips dynamic and random); the store "
+                        "gets its int8 and int4 copies on first use")
     add_warmup(p, help="the learned policy's warm-up (default: made once from "
                        f"{WARMUP_SPLIT}; none, the learner cold, for a --shape of another "
                        "topology)")
@@ -518,13 +566,19 @@ def choose_warmup(args: argparse.Namespace, workdir: Path) -> tuple[str | None, 
 
 
 def run(args: argparse.Namespace) -> int:
+    from flashmoe.errors import UsageError
+
+    known = ("native", "int8", "int4", "dynamic", "random")
+    for p in args.precision:
+        if p not in known:
+            raise UsageError(f"--precision {p}: one of {', '.join(known)}")
     workdir = Path(args.workdir)
     warmup, label = args.warmup, None
     if "flashmoe" in args.modes:
         warmup, label = choose_warmup(args, workdir)
     report = e2e_bench(workdir, args.scale, args.budget, args.tokens, args.rounds, args.modes,
                        warmup, trace=args.trace, shape=args.shape, settings=args.set,
-                       warmup_label=label)
+                       warmup_label=label, precisions=tuple(args.precision))
     print(format_table(report))
     save(args, report, plot)
     return 0

@@ -20,6 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model-shape profile for expert bytes (default: the trace's)")
     p.add_argument("--expert-bytes", type=int, help="bytes per expert, for a trace of a model "
                                                      "without a shape profile")
+    p.add_argument("--precision", type=csv(str), default=["native"],
+                   help="cache.precision settings: native, int8, int4 (every policy), dynamic "
+                        "and random (the policies that take the learned estimate; random "
+                        "draws each load's precision with the fractions of dynamic's loads); "
+                        "a copy's bytes are a fraction of a bf16 expert's (int8 0.50, int4 "
+                        "0.28)")
     p.add_argument("--mode", choices=("core", "requests"), default="core",
                    help="core: the cache manager's core on a virtual clock (default); "
                         "requests: the plain per-request replay (libCacheSim's protocol)")
@@ -42,13 +48,19 @@ def run(args: argparse.Namespace) -> int:
     from flashmoe.sim.device_model import DEVICES, shape_for_trace
     from flashmoe.sim.replay import run_bench
 
+    from flashmoe.errors import UsageError
+
+    for precision in args.precision:
+        if precision not in ("native", "int8", "int4", "dynamic", "random"):
+            raise UsageError(f"--precision {precision}: one of native, int8, int4, dynamic, "
+                             f"random")
     trace = trace_of(args)
     shape = shape_for_trace(trace, args.model, args.expert_bytes)
     report = run_bench(trace, args.scope, args.capacity, args.policies, DEVICES[args.device],
                        shape, mode=args.mode, jobs=args.jobs,
                        progress=False if args.quiet else None, config=config(args),
                        warmup=args.warmup, prefetch=args.prefetch,
-                       stale_tokens=args.stale_tokens)
+                       stale_tokens=args.stale_tokens, precisions=tuple(args.precision))
     print(format_table(report))
     save(args, report, plot)
     return 0
@@ -67,7 +79,9 @@ def format_table(report: dict) -> str:
         if last_fraction is not None and r["capacity_fraction"] != last_fraction:
             rows.append("")
         last_fraction = r["capacity_fraction"]
-        lead = f"{r['policy']:<8} {r['capacity']:>5} {r['capacity_fraction']:>7.4f}"
+        name = r["policy"] if r.get("precision", "native") == "native" \
+            else f"{r['policy']}-{r['precision']}"
+        lead = f"{name:<8} {r['capacity']:>5} {r['capacity_fraction']:>7.4f}"
         if "infeasible" in r:
             rows.append(f"{lead}  n/a: {r['infeasible']}")
             continue

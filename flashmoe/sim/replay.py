@@ -31,7 +31,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
@@ -127,20 +127,51 @@ class CoreRun:
     stats: dict  # the core's counters, summed over its lifetimes
     total_ms: float  # virtual time of the whole replay
     stall_ms: float  # of which layers waited for reads
+    mix: dict = field(default_factory=dict)  # precision -> router weight of its computations
+
+
+# A precision copy's bytes as a fraction of a bf16 expert's (common/quant.py: int8 a byte a
+# weight, per-row scales; int4 half a byte plus a float16 scale per 32 weights).
+COPY_RATIO = {"int8": 0.5, "int4": (4 + 16 / 32) / 16}
+
+
+def sim_layout(capacity: int, expert_bytes: int, precision: str, split=(0.2, 0.3, 0.5)):
+    """The arena's layout for ``precision`` at the device model's expert size."""
+    from common.arena import plan_pools
+    from common.store import ALIGN, round_up
+
+    sizes = {"native": round_up(max(expert_bytes, 1), ALIGN),
+             **{p: round_up(max(int(expert_bytes * r), 1), ALIGN)
+                for p, r in COPY_RATIO.items()}}
+    return plan_pools(sizes, capacity, precision, split)
 
 
 def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: DeviceModel,
                 expert_bytes: int, compute_ms: float, next_use: np.ndarray | None = None,
                 params: dict | None = None, hooks: ReplayHooks | None = None,
-                prefetch_budget: int = 0, prefetch_window: int | None = None) -> CoreRun:
+                prefetch_budget: int = 0, prefetch_window: int | None = None,
+                precision: str = "native", fractions: tuple[float, ...] | None = None,
+                admit: float = 1.0, upgrades: int = 0, layout=None) -> CoreRun:
     """``core`` mode: the cache manager's core on a virtual clock, driven by the worker's
     acquire schedule. ``next_use``: per request in token-major order (oracle policies).
     Prefetch loads (``hooks`` hinting, within ``prefetch_budget``) share the SSD with demand
     reads; one is started when the disk has less than one expert's transfer left queued
-    (the free queue depth)."""
+    (the free queue depth). ``precision``: cache.precision (``sim_layout``; ``fractions``:
+    random's; ``layout``: the arena's ``ArenaLayout``, a live store's, instead of the
+    device model's); the run's ``mix`` is the router weight computed at each precision."""
     L, E = trace.num_layers, trace.num_experts
     sizes = {(layer, expert): expert_bytes for layer in range(L) for expert in range(E)}
     n_slots = capacity * (L if scope == "layer" else 1)
+    pools = pool_bytes = None
+    if precision != "native":
+        layout = layout or sim_layout(capacity, expert_bytes, precision)
+        n_slots = layout.n_units
+        pools = [(p.precision, list(p.slots())) for p in layout.pools]
+        pool_bytes = {p: int(expert_bytes * r) for p, r in COPY_RATIO.items()}
+        if fractions is None and len(pools) > 1:
+            fractions = tuple(float(p.n_slots) for p in layout.pools)
+    mix: dict[str, float] = {}
+    probs = trace.probs
     # One cache for the whole trace (global), or a fresh one per sequence (layer scope).
     bounds = trace.offsets.tolist() if scope == "layer" else [0, trace.n_tokens]
     hits = np.zeros(trace.n_tokens * L, dtype=np.int8)
@@ -153,7 +184,10 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
     hooks = hooks or ReplayHooks()
     for start, stop in zip(bounds[:-1], bounds[1:]):
         core = CacheManagerCore(sizes, n_slots, policy, params, scope=scope, allow_oracle=True,
-                                prefetch_budget=prefetch_budget, prefetch_window=prefetch_window)
+                                prefetch_budget=prefetch_budget, prefetch_window=prefetch_window,
+                                pools=pools, pool_bytes=pool_bytes, precision=precision,
+                                fractions=fractions, admit=admit,
+                                upgrades_per_token=upgrades)
         if next_use is not None:
             future = next_use[start * L * K:stop * L * K]
             if scope == "layer":  # each layer's cache sees its own layer's requests only
@@ -176,6 +210,11 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                 hooks.before_request(core, now, token, layer)
             before = stats["n_hit"]
             _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release, step=token)
+            if pools is not None:
+                weights = probs[token, layer] if probs is not None else [1.0] * len(experts)
+                for slot, weight in zip(_slots, weights):
+                    name = core.precision_of(slot)
+                    mix[name] = mix.get(name, 0.0) + float(weight)
             if loads and not heap:
                 # Nothing else in flight: this request's reads complete in issue order, and
                 # it waits for the last one.
@@ -198,7 +237,7 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
             step += 1
             if hooked:
                 hooks.after_request(core, now, token, layer, experts)
-            if core.pending_hints and ssd.free_at - now < transfer_ms:
+            if (core.pending_hints or core.may_upgrade()) and ssd.free_at - now < transfer_ms:
                 for load in core.issue_prefetches(1):
                     heapq.heappush(heap, (ssd.read(now, load.nbytes), next(tie), load.key))
             now += compute_ms
@@ -208,21 +247,23 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
             finish(heapq.heappop(heap)[2], True)
         for name, value in stats.items():
             totals[name] = totals.get(name, 0) + value
-    return CoreRun(hits, totals, now, stall)
+    total = sum(mix.values())
+    return CoreRun(hits, totals, now, stall,
+                   {p: w / total for p, w in sorted(mix.items())} if total else {})
 
 
 # Worker processes inherit the trace through fork instead of pickling it per job.
 _SHARED: dict = {}
 
 
-def _run_job(job: tuple[str, int]) -> tuple[str, int, dict, float]:
-    policy, capacity = job
+def _run_job(job: tuple) -> tuple[tuple, dict, float]:
+    policy, capacity, precision, fractions = job
     started = time.perf_counter()
     if _SHARED["mode"] == "core":
-        metrics = _core_job(policy, capacity)
+        metrics = _core_job(policy, capacity, precision, fractions)
     else:
         metrics = _requests_job(policy, capacity)
-    return policy, capacity, metrics, time.perf_counter() - started
+    return job[:3], metrics, time.perf_counter() - started
 
 
 def _requests_job(policy: str, capacity: int) -> dict:
@@ -237,7 +278,8 @@ def _requests_job(policy: str, capacity: int) -> dict:
     return out
 
 
-def _core_job(policy: str, capacity: int) -> dict:
+def _core_job(policy: str, capacity: int, precision: str = "native",
+              fractions: tuple[float, ...] | None = None) -> dict:
     trace, scope, shape, device = (_SHARED[k] for k in ("trace", "scope", "shape", "device"))
     config = _SHARED["config"]
     options = _SHARED["options"]
@@ -251,12 +293,18 @@ def _core_job(policy: str, capacity: int) -> dict:
                           params=config.cache.policy_params if policy == config.cache.policy
                           else None, hooks=hooks,
                           prefetch_budget=config.prefetch.budget if prefetch else 0,
-                          prefetch_window=config.prefetch.window if prefetch else None)
+                          prefetch_window=config.prefetch.window if prefetch else None,
+                          precision=precision, fractions=fractions,
+                          admit=config.cache.precision_admit,
+                          upgrades=config.cache.precision_upgrades)
     except AcquireFailed as exc:
         return {"infeasible": str(exc)}
     stats = run.stats
     out = {"hits": stats["n_hit"], "loads": stats["n_load"],
-           "n_hit_loading": stats["n_hit_loading"]}
+           "n_hit_loading": stats["n_hit_loading"], "mix": run.mix,
+           "bytes_loaded": stats["n_byte_loaded"],
+           "loads_by_precision": {p: stats.get(f"n_load_{p}", 0)
+                                  for p in ("native", "int8", "int4")}}
     if prefetch:
         out.update({k: stats[k] for k in ("prefetch_issued", "prefetch_used", "prefetch_wasted",
                                           "prefetch_bytes", "prefetch_learned")})
@@ -318,12 +366,15 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
               device: DeviceModel, shape: ModelShape | None, mode: str = "core",
               jobs: int | None = None, progress: bool | None = None,
               config: FlashMoEConfig | None = None, warmup: str | None = None,
-              prefetch: bool = False, stale_tokens: int = 0) -> dict:
+              prefetch: bool = False, stale_tokens: int = 0,
+              precisions: tuple[str, ...] = ("native",)) -> dict:
     """``shape`` None: a model without a shape profile; hit rates only, the time and byte
     columns are null. ``config``: predictor, feature and prefetch settings (and
     ``cache.policy_params`` for the policy ``cache.policy`` names). ``warmup``: a checkpoint
     of `flashmoe warmup` for the learned policy; ``prefetch``: the inline prefetcher on for
-    every policy but Belady (which stays the demand-fetching bound)."""
+    every policy but Belady (which stays the demand-fetching bound). ``precisions``:
+    cache.precision settings (``sim_layout``); dynamic and random run only for the policies
+    that take the learned estimate, random after dynamic with the fractions of its loads."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise PolicyError(f"unknown policies {unknown}; registered: {', '.join(POLICIES)}")
@@ -348,35 +399,57 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
     # The slowest runs first (the learned policy, then the scored ones, whose victims are
     # ranked), so that the pool's processes finish together.
     cost = {**{p: 1 for p in policies if needs_core(p)}, "flashmoe": 0}
-    work = sorted(((p, capacities[f]) for f in fractions for p in policies),
-                  key=lambda job: cost.get(job[0], 2))
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
-    metrics: dict[tuple[str, int], dict] = {}
-    seconds: dict[tuple[str, int], float] = {}
+    learned = {p for p in policies if getattr(POLICIES[p], "accepts_estimates", False)}
+    combos = [(p, c) for c in precisions for p in policies
+              if c in ("native", "int8", "int4") or p in learned]
+    if mode != "core" and set(precisions) != {"native"}:
+        raise PolicyError("--precision needs --mode core")
+    phases = [[(p, capacities[f], c, None) for f in fractions for p, c in combos
+               if c != "random"]]
+    if any(c == "random" for _, c in combos):
+        phases.append("random")
+    jobs = max(1, min(jobs or os.cpu_count() or 1, sum(map(len, phases[:1])) or 1))
+    metrics: dict[tuple, dict] = {}
+    seconds: dict[tuple, float] = {}
     pool = mp.get_context("fork").Pool(jobs) if jobs > 1 else None
-    with pool or contextlib.nullcontext(), tqdm(total=len(work), unit="run",
+    with pool or contextlib.nullcontext(), tqdm(total=len(combos) * len(fractions), unit="run",
                                                 desc=f"bench {trace.name} {scope} {mode}",
                                                 disable=not show_progress(progress)) as bar:
-        runs = pool.imap_unordered(_run_job, work) if pool else map(_run_job, work)
-        for policy, capacity, result, secs in runs:
-            metrics[(policy, capacity)] = result
-            seconds[(policy, capacity)] = secs
-            bar.update()
+        for work in phases:
+            if work == "random":  # with the fractions of the loads dynamic made
+                work = []
+                for f in fractions:
+                    for p, c in combos:
+                        if c != "random":
+                            continue
+                        made = metrics.get((p, capacities[f], "dynamic"), {})
+                        share = made.get("loads_by_precision")
+                        work.append((p, capacities[f], c, tuple(
+                            float(share[x]) for x in ("native", "int8", "int4"))
+                            if share and sum(share.values()) else None))
+            work = sorted(work, key=lambda job: cost.get(job[0], 2))
+            runs = pool.imap_unordered(_run_job, work) if pool else map(_run_job, work)
+            for key, result, secs in runs:
+                metrics[key] = result
+                seconds[key] = secs
+                bar.update()
     _SHARED.clear()
 
     n = len(requests.keys)
     results = []
     for fraction in fractions:
         capacity = capacities[fraction]
-        counts = {p: metrics[(p, capacity)].get("hits") for p in policies}
-        for policy in policies:
-            m = metrics[(policy, capacity)]
+        counts = {p: metrics[(p, capacity, "native")].get("hits") for p in policies
+                  if (p, capacity, "native") in metrics}
+        for policy, precision in combos:
+            m = metrics[(policy, capacity, precision)]
             resident = capacity * (requests.n_layers if scope == "layer" else 1)
-            row = {"policy": policy, "scope": scope, "mode": mode, "capacity": capacity,
+            row = {"policy": policy, "precision": precision, "precision_mix": m.get("mix") or
+                   {precision: 1.0}, "scope": scope, "mode": mode, "capacity": capacity,
                    "capacity_fraction": fraction, "accesses": n, "hits": m.get("hits"),
                    "hit_rate": None, "ssd_bytes": None, "gap_closed": None,
                    "ms_per_token": None, "ssd_mb_per_s": None, "cache_bytes": None,
-                   "replay_s": round(seconds[(policy, capacity)], 2)}
+                   "replay_s": round(seconds[(policy, capacity, precision)], 2)}
             if "infeasible" in m:
                 row["infeasible"] = m["infeasible"]
                 results.append(row)
@@ -395,10 +468,12 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
                 if key in m:
                     row[key] = m[key]
             lru, belady = counts.get("lru"), counts.get("belady")
-            if lru is not None and belady is not None and belady != lru:
+            if lru is not None and belady is not None and belady != lru \
+                    and precision == "native":
                 row["gap_closed"] = round((m["hits"] - lru) / (belady - lru), 4)
             if shape is not None:
-                ssd_bytes = int(m["loads"] * shape.expert_bytes)
+                ssd_bytes = int(m["loads"] * shape.expert_bytes) if precision == "native" \
+                    else int(m["bytes_loaded"])
                 row.update(ssd_bytes=ssd_bytes,
                            ms_per_token=round(m["total_ms"] / requests.n_tokens, 3),
                            ssd_mb_per_s=round(ssd_bytes / (m["total_ms"] / 1e3) / 1e6, 1),
@@ -411,4 +486,5 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
             "tokens": requests.n_tokens,
             "sequences": trace.n_sequences, "accesses": n,
             "assumptions": describe(device, shape) if shape is not None else None,
-            "jobs": jobs, "wall_s": round(time.perf_counter() - started, 1), "results": results}
+            "precisions": list(precisions), "jobs": jobs,
+            "wall_s": round(time.perf_counter() - started, 1), "results": results}

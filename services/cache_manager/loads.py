@@ -60,6 +60,26 @@ def percentile_us(samples, q: float) -> float:
     return float(np.percentile(np.fromiter(samples, float), q)) if samples else 0.0
 
 
+def split_at_units(ops: np.ndarray, unit: int) -> np.ndarray:
+    """Reads into a slot of several units, each within one unit: a read that crosses a unit's
+    end is cut there (units and block offsets are 4096-aligned, so both halves stay O_DIRECT
+    reads); buffer offsets become the unit's and its offset in it."""
+    pieces = []
+    for op in ops:
+        start, length = int(op["buf_offset"]), int(op["length"])
+        while length:
+            n = min(length, unit - start % unit)
+            piece = op.copy()
+            piece["buf_index"] = int(op["buf_index"]) + start // unit
+            piece["buf_offset"] = start % unit
+            piece["file_offset"] = int(op["file_offset"]) + start - int(op["buf_offset"])
+            piece["length"] = n
+            pieces.append(piece)
+            start += n
+            length -= n
+    return np.array(pieces, dtype=ops.dtype)
+
+
 class Verifier:
     """Checksums of completed loads. A large expert is checked on a helper thread (zlib
     releases the GIL), its result coming back through a queue and an eventfd that the poll
@@ -80,7 +100,10 @@ class Verifier:
 
     def check(self, load: Load) -> ChecksumError | None:
         try:
-            self.store.verify_expert_bytes(*load.key, self.arena.slot(load.slot))
+            layout = self.arena.layout
+            pool = layout.pool_of(load.slot)
+            self.store.at(pool.precision).verify_expert_bytes(
+                *load.key, self.arena.span(load.slot, pool.units * layout.unit_bytes))
         except ChecksumError as exc:
             return exc
         return None
@@ -170,7 +193,7 @@ class Loads:
         for load in loads:  # before the read: a worker still holding the slot can tell
             generations[load.slot] += 1
         for group in ([loads] if together and len(loads) > 1 else [[load] for load in loads]):
-            ops, ends = self.store.read_ops_batch([(*load.key, load.slot) for load in group])
+            ops, ends = self.read_ops(group)
             try:
                 batch = self.engine.submit(ops)
             except IOEngineError as exc:
@@ -182,6 +205,26 @@ class Loads:
                 continue
             self.reads[batch] = [(load, start, end) for load, start, end
                                  in zip(group, [0] + ends[:-1], ends)]
+
+    def read_ops(self, group: list[Load]) -> tuple[np.ndarray, list[int]]:
+        """The block reads of ``group``'s loads, each from its slot's precision (a copy's
+        stripes come after the native ones in the engine's files), in one array, and where
+        each load's reads end in it. A slot of several units takes its blocks unit by unit
+        (no block crosses a unit: ``common.arena.plan_layout``)."""
+        layout = self.arena.layout
+        if len(layout.pools) == 1 and layout.pools[0].precision == "native":
+            return self.store.read_ops_batch([(*load.key, load.slot) for load in group])
+        parts, ends, end = [], [], 0
+        unit = layout.unit_bytes
+        for load in group:
+            pool = layout.pool_of(load.slot)
+            ops = self.store.at(pool.precision).read_ops(*load.key, load.slot)
+            if pool.units > 1:
+                ops = split_at_units(ops, unit)
+            parts.append(ops)
+            end += len(ops)
+            ends.append(end)
+        return np.concatenate(parts), ends
 
     def reap(self) -> None:
         """Completed reads, and a read older than ``io.read_timeout_s`` fails the engine."""
@@ -230,10 +273,11 @@ class Loads:
             self.counters["n_checksum_error"] += 1
             if self.retry(load):
                 return
-            stripe, offset = block_location(error.block, self.store.manifest.block_size,
-                                            self.store.manifest.parallelism)
+            store = self.store.at(self.arena.layout.pool_of(load.slot).precision)
+            stripe, offset = block_location(error.block, store.manifest.block_size,
+                                            store.manifest.parallelism)
             self.report(load, "checksum", f"checksum mismatch in block {error.block} "
-                        f"({self.store.stripe_paths[stripe]} at offset {offset})")
+                        f"({store.stripe_paths[stripe]} at offset {offset})")
             self.finish(load, False, "checksum", str(error))
 
     def retry(self, load: Load) -> bool:

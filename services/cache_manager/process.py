@@ -31,7 +31,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 import zmq
 
-from common.arena import Arena
+from common.arena import Arena, plan_layout
 from common.bus import (EndpointInUse, Inbox, PeerWatch, SeqGaps, Subscriber, handshake_mismatch,
                         make_socket)
 from common.config import ConfigError, FlashMoEConfig
@@ -41,7 +41,7 @@ from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, HealthR
                              Ready, Rejected, Release, Released, ResidencyRep, ResidencyReq,
                              StatsRep, StatsReq, WorkerToCache, encode)
 from common.service import Service, ServiceFailed, State, run_service_process
-from common.store import ExpertStore
+from common.store import ExpertStore, StoreError
 from common.threads import limit_threads
 
 from .core import AcquireFailed, CacheManagerCore, Waiter
@@ -111,19 +111,26 @@ class CacheManager(Service):
 
     def set_up(self, config: FlashMoEConfig, endpoint: str, predictions: list[str]) -> None:
         self.store = ExpertStore.open(config.store.path)
-        n_slots = config.cache.capacity_experts
+        layout, split, fractions = precision_layout(config.cache, self.store)
         # The core first: a bad policy, parameter or scope fails before any arena or ring.
         try:
             self.core = CacheManagerCore(
-                {key: self.store.expert(*key).nbytes for key in self.store.keys()}, n_slots,
-                config.cache.policy, config.cache.policy_params, scope=config.cache.scope,
-                prefetch_budget=config.prefetch.budget,
-                prefetch_window=min(config.prefetch.window, config.prefetch.budget))
+                {key: self.store.expert(*key).nbytes for key in self.store.keys()},
+                layout.n_units, config.cache.policy, config.cache.policy_params,
+                scope=config.cache.scope, prefetch_budget=config.prefetch.budget,
+                prefetch_window=min(config.prefetch.window, config.prefetch.budget),
+                pools=[(p.precision, list(p.slots())) for p in layout.pools],
+                pool_bytes={p: c.manifest.max_expert_bytes for p, c in self.store.copies.items()},
+                precision=config.cache.precision, fractions=fractions,
+                admit=config.cache.precision_admit,
+                upgrades_per_token=config.cache.precision_upgrades)
         except (PolicyError, ValueError) as exc:
             raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.policy_params = "
                               f"{config.cache.policy_params!r} / cache.scope = "
-                              f"{config.cache.scope!r}: {exc}") from None
-        self.arena = Arena.create(n_slots, self.store.manifest.slot_bytes)
+                              f"{config.cache.scope!r} / cache.precision = "
+                              f"{config.cache.precision!r}: {exc}") from None
+        self.arena = Arena.create(layout.n_units, layout.unit_bytes)
+        self.arena.layout = layout
         self.counters.update(rejected_malformed=0, rejected_wrong_version=0,
                              rejected_oversized=0, rejected_unexpected=0,
                              rejected_config_mismatch=0, n_byte_read=0, n_checksum_error=0,
@@ -401,7 +408,7 @@ class CacheManager(Service):
         self.log.info("worker %s connected", self.workers[identity])
         self.send(identity, Ready(self.arena.name, self.arena.slot_bytes, self.arena.n_slots,
                                   str(self.store.path.resolve()), self.engine.name,
-                                  self.section_digests))
+                                  self.section_digests, self.arena.layout.to_wire()))
 
     def worker_gone(self, identity: bytes) -> None:
         name = self.workers.pop(identity, None)
@@ -502,7 +509,7 @@ class CacheManager(Service):
         self.issue_prefetches()
 
     def issue_prefetches(self) -> None:
-        if self.core.pending_hints:
+        if self.core.pending_hints or self.core.may_upgrade():
             self.loads.start(self.core.issue_prefetches(self.loads.free_depth_experts()))
 
     def handle_release(self, identity: bytes, msg: Release) -> None:
@@ -569,3 +576,32 @@ def run_cache_manager_process(config: FlashMoEConfig, endpoint: str, control_end
     return run_service_process(
         lambda: CacheManager(config, endpoint, control_endpoint, predictions),
         CacheManager.name)
+
+
+def precision_layout(cache, store: ExpertStore):
+    """(the arena's layout, the pools' byte split, random's fractions) of the cache section;
+    ConfigError for a precision the store has no copy of, or a malformed split."""
+    def numbers(setting: str, text: str) -> tuple[float, ...] | None:
+        if not text.strip():
+            return None
+        try:
+            values = tuple(float(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 3 or min(values) < 0 or sum(values) <= 0 or \
+                any(v != v for v in values):
+            raise ConfigError(f"{setting} = {text!r}: three non-negative numbers (native, int8, "
+                              f"int4), comma-separated, not all 0")
+        return values
+
+    split = numbers("cache.precision_split", cache.precision_split) or (0.2, 0.3, 0.5)
+    fractions = numbers("cache.precision_fractions", cache.precision_fractions)
+    total = sum(split)
+    try:
+        layout = plan_layout(store, cache.capacity_experts, cache.precision,
+                             tuple(v / total for v in split))
+    except StoreError as exc:
+        raise ConfigError(f"cache.precision = {cache.precision}: {exc}") from None
+    if fractions is None and len(layout.pools) > 1:
+        fractions = tuple(float(p.n_slots) for p in layout.pools)
+    return layout, split, fractions

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from common.arena import expert_torch_views
 from common.cache_client import CacheClient, ExpertLoadError
 from common.config import FlashMoEConfig
 from common.model_families import FAMILIES
@@ -28,6 +29,7 @@ from .core import model_shape
 from .engine import SamplingParams, token_text  # noqa: F401 - text_warmup's
 from .events import EventPublisher
 from .model_runner import Fetch, ModelRunner
+from .quantized import QWeight
 
 log = logging.getLogger("flashmoe.inference_worker")
 
@@ -58,18 +60,41 @@ def arena_fetch(client: CacheClient) -> Fetch:
     the arena."""
     arena, store = client.arena, client.store
     family = FAMILIES[store.manifest.model_family]
+    precisions: dict[int, list[str]] = {}  # layer -> the precision of each expert fetched last
 
     def fetch(layer: int, experts: list[int], release_layers: Sequence[int], token: str
               ) -> list[dict[str, torch.Tensor]]:
         slots = _acquire(client, layer, experts, release_layers, token)
-        out = []
+        out, got = [], []
         for expert, slot in zip(experts, slots):
-            entry = store.expert(layer, expert)
-            out.append(family.expert_parameters(entry, arena.slot(slot),
-                                                arena.torch_views(slot, entry)))
+            precision, entry = client.expert_entry(layer, expert, slot)
+            got.append(precision)
+            data = arena.span(slot, entry.nbytes)  # (a slot may span several units)
+            views = expert_torch_views(data, entry)
+            if precision == "native":
+                out.append(family.expert_parameters(entry, data, views))
+            else:
+                out.append(copy_parameters(store.at(precision).manifest.quant, precision,
+                                           views))
+        precisions[layer] = got
         return out
 
+    fetch.precisions = precisions
     return fetch
+
+
+def copy_parameters(quant: dict, precision: str, views: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor | QWeight]:
+    """One expert's in-memory parameters from its precision copy's views: each weight matrix
+    a ``QWeight`` over the arena's bytes (no copy), each bias as it is."""
+    out = {}
+    for name, shape in quant["native_shapes"].items():
+        if f"{name}.scale" in views:
+            out[name] = QWeight(views[name], views[f"{name}.scale"], precision, shape,
+                                name in quant["transposed"], quant["group_size"])
+        else:
+            out[name] = views[name]
+    return out
 
 
 def store_model_shape(store_path: str | Path) -> dict[str, int]:

@@ -164,8 +164,9 @@ class StepGroup:
             self.fail(exc)
             raise
         dtype = self.dtype
-        meet.loaded = {expert: {name: t if t.dtype == dtype else t.to(dtype)
-                                for name, t in p.items()}
+        # (a precision copy's weight is a QWeight, which computes in the input's dtype)
+        meet.loaded = {expert: {name: t if t.dtype == dtype or not isinstance(t, torch.Tensor)
+                                else t.to(dtype) for name, t in p.items()}
                        for expert, p in zip(experts, params)}
         meet.done_requests += 1
         self.cond.notify_all()

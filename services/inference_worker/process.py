@@ -73,6 +73,7 @@ class TraceWorker:
         self.tokens_failed = 0
         self.reconnects = 0
         self.failed_experts: set[tuple[int, int]] = set()  # (layer, expert) reported once
+        self.precision_weight: dict[str, float] = {}  # precision -> router weight computed
         # how long each decode step took: the newest step_times_kept (a --loop replay runs
         # for hours), else all; _timed counts every step timed
         self.token_ms: collections.deque[float] = collections.deque(maxlen=step_times_kept)
@@ -125,6 +126,10 @@ class TraceWorker:
                 weights = trace.probs[t, layer].astype(float).tolist() \
                     if trace.probs is not None else [1.0 / k] * k
                 hidden = compute.step(hidden, layer, experts, weights)
+                got = getattr(compute.fetch, "precisions", {}).get(layer, ())
+                mix = self.precision_weight
+                for precision, weight in zip(got, weights):
+                    mix[precision] = mix.get(precision, 0.0) + weight
         if compute is not None and client.lost():  # dropped while it computed: redo it
             raise PinsLost("the cache manager dropped this worker during the token: its "
                            "slots may hold other experts now")
@@ -180,7 +185,11 @@ class TraceWorker:
             self._timed += 1
 
     def figures(self) -> dict:
+        total = sum(self.precision_weight.values())
         return {"tokens": self.tokens, "tokens_failed": self.tokens_failed,
+                # the router weight of the experts computed at each precision, as fractions
+                "precision_mix": {p: round(w / total, 4) for p, w
+                                  in sorted(self.precision_weight.items())} if total else {},
                 "reconnects": self.reconnects,
                 "failed_experts": sorted([layer, e] for layer, e in self.failed_experts)}
 

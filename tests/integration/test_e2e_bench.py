@@ -71,3 +71,29 @@ def test_the_default_warm_up_of_another_shape_leaves_the_learner_cold(tmp_path):
     args.shape = "gpt-oss-tiny"  # gpt-oss-20b's topology: it fits
     assert e2e_bench.choose_warmup(args, tmp_path) == (str(ckpt), None)
     assert e2e_bench.describe_warmup(str(ckpt)).startswith("train-slice, 0 pass(es)")
+
+
+def test_precisions_each_get_a_row_with_their_mix_and_random_follows_dynamic(tmp_path):
+    ckpt = tmp_path / "warmup"
+    warmup(sequences_slice(load_gptoss20b("train"), "train-slice", 0, 2), load_config(env={}),
+           ckpt, passes=1)
+    said = []
+    report = e2e_bench.e2e_bench(tmp_path / "work", 1.0, [0.25], 10, 1, ["flashmoe", "lru"],
+                                 str(ckpt), shape="gpt-oss-tiny", say=said.append,
+                                 precisions=("native", "int4", "dynamic", "random"))
+    rows = {(r["mode"], r["precision"]): r for r in report["results"]}
+    # lru skips what needs the learned estimate
+    assert set(rows) == {("flashmoe", p) for p in ("native", "int4", "dynamic", "random")} \
+        | {("lru", "native"), ("lru", "int4")}
+    assert rows[("lru", "int4")]["precision_mix"] == {"int4": 1.0}
+    assert rows[("flashmoe", "native")]["precision_mix"] == {"native": 1.0}
+    for key in (("flashmoe", "dynamic"), ("flashmoe", "random")):
+        mix = rows[key]["precision_mix"]
+        assert set(mix) <= {"native", "int8", "int4"} and abs(sum(mix.values()) - 1) < 0.01
+        assert rows[key]["bytes_read"] > 0
+    runs = [line.split(":")[0].split()[-1] for line in said if "round" in line]
+    assert runs.index("flashmoe-random") == runs.index("flashmoe-dynamic") + 1
+    # the store got its copies on first use, and int4 reads fewer bytes than native
+    assert any("copies" in line for line in said)
+    assert rows[("lru", "int4")]["bytes_read"] < rows[("lru", "native")]["bytes_read"]
+    assert "precision" in e2e_bench.format_table(report)

@@ -26,6 +26,18 @@ def gptoss_tiny_store(tmp_path_factory):
                        block_size=8192, parallelism=3, show_progress=False).path
 
 
+def replay_live(manager, tmp_path) -> tuple[dict, Trace]:
+    """The first TOKENS of the eval split through ``manager`` by a trace-worker process: its
+    stats, and the slice of the trace it replayed."""
+    out = tmp_path / "live.json"
+    subprocess.run(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
+                               "gptoss20b:eval", "--tokens", str(TOKENS), "--json", str(out)),
+                   env=child_env(), check=True, timeout=300, capture_output=True)
+    trace = load_gptoss20b("eval")
+    piece = Trace("slice", trace.experts[:TOKENS], np.array([0, TOKENS]), 32, trace.model)
+    return json.loads(out.read_text()), piece
+
+
 @pytest.mark.parametrize("policy, capacity", [("lru", 96), ("arc", 48), ("s3fifo", 192),
                                               ("lirs", 96), ("nextuse", 96)])
 def test_live_hits_and_misses_equal_the_simulator(policy, capacity, gptoss_tiny_store,
@@ -33,13 +45,7 @@ def test_live_hits_and_misses_equal_the_simulator(policy, capacity, gptoss_tiny_
     manager = start_manager(gptoss_tiny_store, f"cache.policy={policy}",
                             f"cache.capacity_experts={capacity}", "prefetch.inline=false",
                             "prefetch.learned=0")
-    out = tmp_path / "live.json"
-    subprocess.run(cli_command("trace-worker", "--cache", manager.endpoint, "--trace",
-                               "gptoss20b:eval", "--tokens", str(TOKENS), "--json", str(out)),
-                   env=child_env(), check=True, timeout=300, capture_output=True)
-    live = json.loads(out.read_text())
-    trace = load_gptoss20b("eval")
-    piece = Trace("slice", trace.experts[:TOKENS], np.array([0, TOKENS]), 32, trace.model)
+    live, piece = replay_live(manager, tmp_path)
     sim = replay_core(policy, capacity, piece, "global", DEVICES["orin-980pro"], 1, 0.0)
     for key in ("n_hit", "n_miss", "n_load", "n_evict"):
         assert live[key] == sim.stats[key], (key, live[key], sim.stats[key])
@@ -70,3 +76,31 @@ def test_a_looping_worker_stops_on_sigterm_and_reports(gptoss_tiny_store, start_
     assert "trace_worker stopped after" in err
     stats = json.loads(out.read_text())  # the cache manager's, fetched as the worker stopped
     assert stats["n_hit"] + stats["n_miss"] > 5 * 24 * 4  # (which are hits is timing's)
+
+
+@pytest.mark.parametrize("precision", ["int4", "random"])
+def test_live_equals_the_simulator_with_experts_at_their_precisions(precision, tmp_path,
+                                                                    start_manager):
+    """One bookkeeping for every precision: the same layout of pools (the store's copies'
+    sizes), the same draws, the same counts, per precision too."""
+    from common.arena import plan_layout
+    from common.store import ExpertStore
+    from flashmoe.tools.store_writer import write_copies
+
+    store = synth_store(tmp_path / "store", "gpt-oss-tiny", scale=1.0, block_size=8192,
+                        parallelism=3, show_progress=False).path
+    write_copies(store, ["int8", "int4"], show_progress=False)
+    manager = start_manager(store, "cache.policy=lru", "cache.capacity_experts=64",
+                            f"cache.precision={precision}", "cache.precision_fractions=1,1,2",
+                            "prefetch.inline=false", "prefetch.learned=0")
+    live, piece = replay_live(manager, tmp_path)
+    with ExpertStore.open(store) as opened:
+        layout = plan_layout(opened, 64, precision)
+        expert_bytes = opened.manifest.max_expert_bytes
+    sim = replay_core("lru", 64, piece, "global", DEVICES["orin-980pro"], expert_bytes, 0.0,
+                      precision=precision, fractions=(1.0, 1.0, 2.0), layout=layout)
+    keys = ["n_hit", "n_miss", "n_load", "n_evict"] + [f"n_load_{p.precision}"
+                                                       for p in layout.pools]
+    for key in keys:
+        assert live[key] == sim.stats[key], (key, live[key], sim.stats[key])
+    assert live["n_checksum_error"] == 0
