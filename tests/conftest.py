@@ -23,15 +23,18 @@ from tests.support.traces import missing_shared_traces  # noqa: E402
 
 
 def pytest_configure(config) -> None:
-    """The predictor's fused inference, rebuilt when its source is newer (as `flashmoe
-    build-helper` does); without a compiler the tests that need it skip."""
+    """The predictor's fused inference and the worker's expert kernels, rebuilt when their
+    source is newer (as `flashmoe build-helper` does); without a compiler the tests that need
+    them skip or take the torch path."""
     from common.cbuild import BuildError
+    from services.inference_worker import quantized
     from services.predictor import fast_infer
 
-    try:
-        fast_infer.build()
-    except BuildError:
-        pass
+    for helper in (fast_infer, quantized):
+        try:
+            helper.build()
+        except BuildError:
+            pass
 
 
 def pytest_collection_modifyitems(config, items) -> None:

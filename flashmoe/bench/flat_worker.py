@@ -60,13 +60,20 @@ def work(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - started
     family = FAMILIES[store.manifest.model_family]
 
+    # The file's bytes stay where they are: each expert's views are made once, on first use.
+    views: dict[tuple[int, int], dict] = {}
+
     def fetch(layer, experts, release, token):
         out = []
         for expert in experts:
-            offset, _ = index[f"{layer},{expert}"]
-            entry = store.expert(layer, expert)
-            data = memoryview(buffer)[offset:offset + entry.nbytes]
-            out.append(family.expert_parameters(entry, data, expert_torch_views(data, entry)))
+            params = views.get((layer, expert))
+            if params is None:
+                offset, _ = index[f"{layer},{expert}"]
+                entry = store.expert(layer, expert)
+                data = memoryview(buffer)[offset:offset + entry.nbytes]
+                params = views[layer, expert] = family.expert_parameters(
+                    entry, data, expert_torch_views(data, entry))
+            out.append(params)
         return out
 
     token_ms = []

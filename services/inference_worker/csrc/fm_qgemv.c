@@ -1,4 +1,5 @@
-/* Products of a few activation rows with an expert's quantized weight (common/quant.py):
+/* Products of a few activation rows with an expert's quantized weight (common/quant.py), and
+ * (fm_bf16_gemv, at the end) of one row with each of a layer's native bf16 weights:
  *
  *   fm_q8_gemv  y[m, o] = scale[o] * sum_i q[o, i] * x[m, i]          q int8 [out, in]
  *   fm_q4_gemv  y[m, o] = sum_g scale[o, g] * sum_{i in g} q[o, i] * x[m, i]
@@ -35,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FM_QGEMV_ABI 2
+#define FM_QGEMV_ABI 3
 #define ROWS 4     /* output rows per block */
 #define MROWS 4    /* rows of x per pass over a block */
 #define CHUNK4 32  /* INT4 inputs per 16 packed bytes */
@@ -348,4 +349,237 @@ int fm_q4_gemv_bf16(const uint8_t *W, const uint16_t *scale, const uint16_t *x, 
     if (rc == 0) narrow(yf, y, (size_t)M * out);
     free(buf);
     return rc;
+}
+
+/* --- bfloat16 weights (the native experts) ------------------------------------------------- */
+
+/* fm_bf16_gemv: n products of a bf16 row with a bf16 matrix each, a layer's experts' native
+ * weights at a decode step's M = 1 (one row of x for all of them, or one row each):
+ *
+ *   y[j, o] = bf16(bf16(sum_i x_j[i] * W_j[i, o]) + bias_j[o])   transposed: W_j [in, out]
+ *                                                                 (x @ W, GPT-OSS)
+ *   y[j, o] = bf16(bf16(sum_i x_j[i] * W_j[o, i]) + bias_j[o])   else W_j [out, in] (F.linear)
+ *
+ * x_j = x + j * x_stride; no bias where bias or bias[j] is NULL. The sum is in float32, rounded
+ * to nearest even, and the bias added to that in float32 and rounded again: torch's bf16
+ * x @ W + b, but for the order of the sum (the two agree to a bf16 rounding).
+ *
+ * AVX-512 BF16 (vdpbf16ps: products of bf16 pairs, exact, summed in float32; a denormal input
+ * reads as zero) where the CPU has it, the portable loops elsewhere. An [in, out] matrix is read
+ * four rows at a time, each two rows interleaved into the (W[i, o], W[i + 1, o]) pairs
+ * vdpbf16ps multiplies with (x[i], x[i + 1]), into float32 accumulators of all the outputs
+ * (kept in L1); an [out, in] matrix four output rows at a time, each a dot product with x.
+ *
+ * At M = 1 a product is bound by its weights' bytes, read once, in place, in the order they lie.
+ * Left to the hardware prefetcher, a layer's eight cold [1024, 960] and [480, 1024] products
+ * read ~9 GB/s here (2.2-2.9 ms; a plain sum over the same bytes streams ~20 GB/s): the loop
+ * has too many instructions a cache line for the reorder window to reach far ahead. Asking for
+ * the bytes AHEAD_BYTES ahead of the reads, as one stream into L2 running on into the call's
+ * next matrix, took it to 17-22 GB/s (1.1-1.4 ms); 8-32 KB ahead did the same, 4 KB less, and
+ * into L1 (prefetcht0) it did not help; neither did 2 MB pages under the weights. */
+
+#define AHEAD_BYTES 16384
+
+static void bf16_finish_portable(const float *acc, const uint16_t *bias, uint16_t *y, int out) {
+    for (int o = 0; o < out; o++) {
+        const uint16_t rounded = float_to_bf16(acc[o]);
+        y[o] = bias ? float_to_bf16(bf16_to_float(rounded) + bf16_to_float(bias[o])) : rounded;
+    }
+}
+
+static void bf16_portable(const uint16_t *W, const uint16_t *x, const uint16_t *bias,
+                          uint16_t *y, float *acc, int in, int out, int transposed) {
+    for (int o = 0; o < out; o++) acc[o] = 0.f;
+    if (transposed) {
+        for (int i = 0; i < in; i++) {
+            const float xi = bf16_to_float(x[i]);
+            const uint16_t *row = W + (size_t)i * out;
+            for (int o = 0; o < out; o++) acc[o] += xi * bf16_to_float(row[o]);
+        }
+    } else {
+        for (int o = 0; o < out; o++) {
+            const uint16_t *row = W + (size_t)o * in;
+            for (int i = 0; i < in; i++) acc[o] += bf16_to_float(row[i]) * bf16_to_float(x[i]);
+        }
+    }
+    bf16_finish_portable(acc, bias, y, out);
+}
+
+#ifdef HAVE_AVX512_VARIANT
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AVX512BF16_INLINE AVX512BF16 __attribute__((always_inline)) static inline
+
+static int cpu_has_avx512_bf16(void) {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* The call's matrices as one stream of bytes, prefetched AHEAD_BYTES ahead of the reads. */
+typedef struct {
+    const uint16_t *const *W;
+    int n, next;         /* matrices; the one after at's */
+    size_t bytes;        /* of each */
+    uintptr_t at, end;   /* the next line to ask for; the end of its matrix */
+} ahead_t;
+
+static void ahead_start(ahead_t *a, const uint16_t *const *W, int n, size_t bytes) {
+    a->W = W;
+    a->n = n;
+    a->next = 1;
+    a->bytes = bytes;
+    a->at = (uintptr_t)W[0] + AHEAD_BYTES;
+    a->end = (uintptr_t)W[0] + bytes;
+}
+
+/* The next `lines` lines of the stream, asked for into L2. */
+AVX512BF16_INLINE void ahead_lines(ahead_t *a, int lines) {
+    for (int k = 0; k < lines; k++) {
+        while (a->at >= a->end) {
+            if (a->next >= a->n) return;
+            const uintptr_t start = (uintptr_t)a->W[a->next++];
+            a->at = start + (a->at - a->end);
+            a->end = start + a->bytes;
+        }
+        _mm_prefetch((const char *)a->at, _MM_HINT_T1);
+        a->at += 64;
+    }
+}
+
+AVX512BF16_INLINE __m512 bf16x16_to_ps(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+AVX512BF16_INLINE __mmask32 mask32(int left) {
+    return left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+}
+
+/* 16 outputs: rounded, the bias added and rounded again, the first count stored. */
+AVX512BF16_INLINE void bf16_store16(uint16_t *y, const uint16_t *bias, __m512 sum, int count) {
+    const __mmask16 m = count >= 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(sum);
+    if (bias)
+        r = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(
+            bf16x16_to_ps(r), bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, bias))));
+    _mm256_mask_storeu_epi16(y, m, r);
+}
+
+/* acc += the P pairs of rows from row i of an [in, out] matrix times their pairs of x; a row
+ * past the last reads as zeros. Each 32 columns' accumulators are two vectors in
+ * vpunpck{l,h}wd's order (see bf16_in_out). */
+AVX512BF16_INLINE void bf16_row_pairs(float *acc, const uint16_t *W, const uint16_t *x, int in,
+                                      int out, int i, ahead_t *ahead, const int P) {
+    const uint16_t *first[2], *second[2];
+    __m512bh xpair[2];
+    __mmask32 has_second[2];
+    for (int p = 0; p < P; p++) {
+        const int a = i + 2 * p, b = a + 1 < in ? a + 1 : a;
+        first[p] = W + (size_t)a * out;
+        second[p] = W + (size_t)b * out;
+        has_second[p] = a + 1 < in ? 0xFFFFFFFFu : 0;
+        const uint32_t pair = x[a] | (a + 1 < in ? (uint32_t)x[a + 1] << 16 : 0u);
+        xpair[p] = (__m512bh)_mm512_set1_epi32((int)pair);
+    }
+    for (int c = 0; c < out; c += 32) {
+        ahead_lines(ahead, 2 * P);
+        const __mmask32 m = mask32(out - c);
+        __m512 lo = _mm512_load_ps(acc + c), hi = _mm512_load_ps(acc + c + 16);
+        for (int p = 0; p < P; p++) {
+            const __m512i ra = _mm512_maskz_loadu_epi16(m, first[p] + c);
+            const __m512i rb = _mm512_maskz_loadu_epi16(m & has_second[p], second[p] + c);
+            lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(ra, rb), xpair[p]);
+            hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(ra, rb), xpair[p]);
+        }
+        _mm512_store_ps(acc + c, lo);
+        _mm512_store_ps(acc + c + 16, hi);
+    }
+}
+
+/* acc: room for out rounded up to 32 floats, 64-byte aligned. */
+AVX512BF16 static void bf16_in_out(const uint16_t *W, const uint16_t *x, const uint16_t *bias,
+                                   uint16_t *y, float *acc, int in, int out, ahead_t *ahead) {
+    const int padded = (out + 31) & ~31;
+    for (int c = 0; c < padded; c += 16) _mm512_store_ps(acc + c, _mm512_setzero_ps());
+    int i = 0;
+    for (; i + 4 <= in; i += 4) bf16_row_pairs(acc, W, x, in, out, i, ahead, 2);
+    for (; i < in; i += 2) bf16_row_pairs(acc, W, x, in, out, i, ahead, 1);
+    /* Lane k of 128-bit quarter q holds column 8q + k (lo) or 8q + 4 + k (hi). */
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                              22, 23);
+    const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15,
+                                               28, 29, 30, 31);
+    for (int c = 0; c < out; c += 32) {
+        const __m512 lo = _mm512_load_ps(acc + c), hi = _mm512_load_ps(acc + c + 16);
+        bf16_store16(y + c, bias ? bias + c : NULL, _mm512_permutex2var_ps(lo, first16, hi),
+                     out - c);
+        if (out - c > 16)
+            bf16_store16(y + c + 16, bias ? bias + c + 16 : NULL,
+                         _mm512_permutex2var_ps(lo, second16, hi), out - c - 16);
+    }
+}
+
+/* Output rows o .. o + R - 1 of an [out, in] matrix: dot products with x. */
+AVX512BF16_INLINE void bf16_dots(const uint16_t *W, const uint16_t *x, float *dots, int in,
+                                 int o, ahead_t *ahead, const int R) {
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 32) {
+        ahead_lines(ahead, R);
+        const __mmask32 m = mask32(in - i);
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbf16_ps(
+                acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, W + (size_t)(o + r) * in + i), xv);
+    }
+    for (int r = 0; r < R; r++) dots[o + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+AVX512BF16 static void bf16_out_in(const uint16_t *W, const uint16_t *x, const uint16_t *bias,
+                                   uint16_t *y, float *dots, int in, int out, ahead_t *ahead) {
+    int o = 0;
+    for (; o + ROWS <= out; o += ROWS) bf16_dots(W, x, dots, in, o, ahead, ROWS);
+    for (; o < out; o++) bf16_dots(W, x, dots, in, o, ahead, 1);
+    for (o = 0; o < out; o += 16)
+        bf16_store16(y + o, bias ? bias + o : NULL, _mm512_loadu_ps(dots + o), out - o);
+}
+#else
+static int cpu_has_avx512_bf16(void) { return 0; }
+#endif
+
+/* 1 where fm_bf16_gemv runs the AVX-512 BF16 kernel (fm_qgemv_simd's switch on, and the CPU
+ * has it), 0 where it runs the portable loops. */
+int fm_bf16_simd(void) {
+    static int has = -1;
+    if (has < 0) has = cpu_has_avx512_bf16();
+    return fm_qgemv_simd(-1) && has;
+}
+
+/* Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int fm_bf16_gemv(int n, const uint16_t *const *W, const uint16_t *const *bias, const uint16_t *x,
+                 int x_stride, uint16_t *y, int out, int in, int transposed) {
+    if (n < 0 || out < 1 || in < 1 || x_stride < 0) return -1;
+    if (n == 0) return 0;
+    /* the float32 sums of the outputs, and the vector kernels' room past them */
+    float *acc = aligned_alloc(64, sizeof(float) * (size_t)((out + 31) & ~31));
+    if (!acc) return -2;
+#ifdef HAVE_AVX512_VARIANT
+    const int simd = fm_bf16_simd();
+    ahead_t ahead;
+    if (simd) ahead_start(&ahead, W, n, sizeof(uint16_t) * (size_t)in * out);
+#endif
+    for (int j = 0; j < n; j++) {
+        const uint16_t *xj = x + (size_t)j * x_stride, *bj = bias ? bias[j] : NULL;
+        uint16_t *yj = y + (size_t)j * out;
+#ifdef HAVE_AVX512_VARIANT
+        if (simd) {
+            if (transposed)
+                bf16_in_out(W[j], xj, bj, yj, acc, in, out, &ahead);
+            else
+                bf16_out_in(W[j], xj, bj, yj, acc, in, out, &ahead);
+            continue;
+        }
+#endif
+        bf16_portable(W[j], xj, bj, yj, acc, in, out, transposed);
+    }
+    free(acc);
+    return 0;
 }
