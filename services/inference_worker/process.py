@@ -186,10 +186,10 @@ class TraceWorker:
 
     def figures(self) -> dict:
         total = sum(self.precision_weight.values())
-        return {"tokens": self.tokens, "tokens_failed": self.tokens_failed,
-                # the router weight of the experts computed at each precision, as fractions
-                "precision_mix": {p: round(w / total, 4) for p, w
-                                  in sorted(self.precision_weight.items())} if total else {},
+        # with compute: the router weight of the experts computed at each precision, as shares
+        mix = {"precision_mix": {p: round(w / total, 4) for p, w
+                                 in sorted(self.precision_weight.items())}} if total else {}
+        return {**mix, "tokens": self.tokens, "tokens_failed": self.tokens_failed,
                 "reconnects": self.reconnects,
                 "failed_experts": sorted([layer, e] for layer, e in self.failed_experts)}
 
