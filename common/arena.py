@@ -194,14 +194,14 @@ class Arena:
 
     def numpy_views(self, index: int, entry: ExpertEntry) -> dict[str, np.ndarray]:
         """Each projection of the expert in slot ``index`` as a numpy array (no copy)."""
-        data = self.slot(index)
+        data = self.span(index, entry.nbytes)  # (a slot may span several units)
         return {t.name: np.frombuffer(data, dtype=NUMPY_DTYPES[t.dtype],
                                       count=int(np.prod(t.shape)), offset=t.offset).reshape(t.shape)
                 for t in entry.tensors}
 
     def torch_views(self, index: int, entry: ExpertEntry) -> dict:
         """Each projection as a torch tensor of its real dtype (bf16 included), no copy."""
-        return expert_torch_views(self.slot(index), entry)
+        return expert_torch_views(self.span(index, entry.nbytes), entry)
 
     def close(self) -> None:
         self.generations.release()

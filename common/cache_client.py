@@ -44,7 +44,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.arena import Arena, ArenaLayout, expert_torch_views
+from common.arena import Arena, ArenaLayout
 from common.bus import HARD_MAX_MESSAGE_BYTES, ConfigMismatch, make_socket
 from common.config import FlashMoEConfig
 from common.protocol import (AcquireError, AcquireRep, AcquireReq, CacheToWorker, Dead, Decoder,
@@ -280,11 +280,8 @@ class CacheClient:
                         token: str = "") -> list[dict]:
         """Zero-copy torch views of each expert's projections, in request order."""
         slots = self.acquire(layer, experts, release_layers, token)
-        out = []
-        for expert, slot in zip(experts, slots):
-            _, entry = self.expert_entry(layer, expert, slot)
-            out.append(expert_torch_views(self.arena.span(slot, entry.nbytes), entry))
-        return out
+        return [self.arena.torch_views(slot, self.expert_entry(layer, expert, slot)[1])
+                for expert, slot in zip(experts, slots)]
 
     def expert_entry(self, layer: int, expert: int, slot: int) -> tuple[str, ExpertEntry]:
         """(the precision of ``slot``, the expert's layout at that precision)."""

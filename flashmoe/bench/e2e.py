@@ -320,6 +320,11 @@ def run_flat(mode: str, flat: Path, store: str, trace: str, tokens: int, budget_
 
 # --- the benchmark ------------------------------------------------------------------------------
 
+def contender_name(mode: str, precision: str) -> str:
+    """A contender's name: its mode, and its precision where not native."""
+    return mode if precision == "native" else f"{mode}-{precision}"
+
+
 def summarize(runs: list[Run], tokens: int) -> dict:
     ms = np.concatenate([np.asarray(r.token_ms, float) for r in runs]) if runs else np.zeros(0)
     tok_s = [tokens / (sum(r.token_ms) / 1e3) for r in runs if r.token_ms]
@@ -357,18 +362,17 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
     ``precisions``: the cache.precision settings of the flashmoe and lru modes (lru skips
     dynamic and random, which need the learned estimate; random draws each load's precision
     with the fractions of loads the same round's dynamic run made)."""
-    from flashmoe.tools.store_writer import missing_copies, write_copies
+    from flashmoe.tools.store_writer import add_copies
     from flashmoe.tools.synth_store import synth_store
 
     workdir.mkdir(parents=True, exist_ok=True)
     store = synth_store(workdir / f"store-{shape}-{scale}", shape, scale, show_progress=False)
     if set(precisions) - {"native"}:
-        missing = missing_copies(store.path, ["int8", "int4"])
-        if missing:
-            store.close()
-            say(f"[e2e] writing the store's {', '.join(missing)} copies (first use only)")
-            write_copies(store.path, missing, show_progress=False)
-            store = ExpertStore.open(store.path)
+        store.close()  # (the copies' writer takes the store's lock)
+        written = add_copies(store.path, ["int8", "int4"], show_progress=False)
+        if written:
+            say(f"[e2e] wrote the store's {', '.join(written)} copies (first use only)")
+        store = ExpertStore.open(store.path)
     experts_bytes = sum(e.nbytes for e in store.manifest.experts)
     n_experts = len(store.manifest.experts)
     from common.traces import TraceError, load_trace
@@ -416,8 +420,7 @@ def e2e_bench(workdir: Path, scale: float, budgets: list[float], tokens: int, ro
                     run = run_flat(mode, flat, str(store.path), trace, tokens, budget_bytes,
                                    workdir, budget)
                 runs.setdefault((mode, precision, budget), []).append(run)
-                label = mode if precision == "native" else f"{mode}-{precision}"
-                say(f"[e2e] budget {budget:g} round {r + 1}/{rounds} {label}: "
+                say(f"[e2e] budget {budget:g} round {r + 1}/{rounds} {contender_name(mode, precision)}: "
                     f"{tokens / (sum(run.token_ms) / 1e3):.2f} tokens/s, "
                     f"{run.bytes_read / tokens / 1e6:.1f} MB/token")
     results = [summarize(runs[key], tokens) for key in runs]
@@ -463,10 +466,9 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     budgets = sorted({r["budget_fraction"] for r in report["results"]})
-    label = lambda r: r["mode"] if r.get("precision", "native") == "native" \
-        else f"{r['mode']}-{r['precision']}"  # noqa: E731
-    modes = list(dict.fromkeys(label(r) for r in report["results"]))
-    by = {(label(r), r["budget_fraction"]): r for r in report["results"]}
+    names = [contender_name(r["mode"], r.get("precision", "native")) for r in report["results"]]
+    modes = list(dict.fromkeys(names))
+    by = {(name, r["budget_fraction"]): r for name, r in zip(names, report["results"])}
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):

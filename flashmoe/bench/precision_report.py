@@ -55,20 +55,13 @@ def rel_errors(y_q, y) -> list[float]:
 def _tiny_model(family: str, seed: int):
     """A random-weight bf16 model of ``family`` with eager experts, in memory."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from flashmoe.tools.tiny_models import tiny_config
+    from flashmoe.tools.tiny_models import tiny_model
 
-    config = tiny_config(family, **TINY_SHAPE)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    model = tiny_model(family, seed, **TINY_SHAPE)
     if model.config._experts_implementation != "eager":
         raise RuntimeError(f"transformers did not select the eager experts implementation "
                            f"(got {model.config._experts_implementation!r})")
-    with torch.no_grad():  # random expert biases (GPT-OSS), as the tiny checkpoints have
-        for name, parameter in model.named_parameters():
-            if ".experts." in name and name.endswith("_bias"):
-                parameter.normal_(0.0, config.initializer_range)
     return model.to(torch.bfloat16).eval()
 
 

@@ -62,12 +62,11 @@ def cmd_synth_store(args) -> int:
 
 def _add_copies(store_path: str, precisions: list[str], quiet: bool) -> None:
     """Write the precision copies asked for that the store does not have yet."""
-    from flashmoe.tools.store_writer import missing_copies, write_copies
+    from flashmoe.tools.store_writer import add_copies
 
-    missing = missing_copies(store_path, precisions)
-    if missing:
-        write_copies(store_path, missing, show_progress=not quiet)
-        print(f"{store_path}: {', '.join(missing)} copies written")
+    written = add_copies(store_path, precisions, show_progress=not quiet)
+    if written:
+        print(f"{store_path}: {', '.join(written)} copies written")
 
 
 def _precisions(text: str) -> list[str]:

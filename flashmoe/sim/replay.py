@@ -404,30 +404,29 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
               if c in ("native", "int8", "int4") or p in learned]
     if mode != "core" and set(precisions) != {"native"}:
         raise PolicyError("--precision needs --mode core")
-    phases = [[(p, capacities[f], c, None) for f in fractions for p, c in combos
-               if c != "random"]]
-    if any(c == "random" for _, c in combos):
-        phases.append("random")
-    jobs = max(1, min(jobs or os.cpu_count() or 1, sum(map(len, phases[:1])) or 1))
+    first = [(p, capacities[f], c, None) for f in fractions for p, c in combos if c != "random"]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(first) or 1))
     metrics: dict[tuple, dict] = {}
     seconds: dict[tuple, float] = {}
+
+    def random_work() -> list[tuple]:
+        """random's jobs, each with the fractions of the loads its dynamic run made."""
+        work = []
+        for f in fractions:
+            for p, c in combos:
+                share = metrics.get((p, capacities[f], "dynamic"), {}).get("loads_by_precision")
+                if c == "random":
+                    work.append((p, capacities[f], c, tuple(
+                        float(share[x]) for x in ("native", "int8", "int4"))
+                        if share and sum(share.values()) else None))
+        return work
+
     pool = mp.get_context("fork").Pool(jobs) if jobs > 1 else None
     with pool or contextlib.nullcontext(), tqdm(total=len(combos) * len(fractions), unit="run",
                                                 desc=f"bench {trace.name} {scope} {mode}",
                                                 disable=not show_progress(progress)) as bar:
-        for work in phases:
-            if work == "random":  # with the fractions of the loads dynamic made
-                work = []
-                for f in fractions:
-                    for p, c in combos:
-                        if c != "random":
-                            continue
-                        made = metrics.get((p, capacities[f], "dynamic"), {})
-                        share = made.get("loads_by_precision")
-                        work.append((p, capacities[f], c, tuple(
-                            float(share[x]) for x in ("native", "int8", "int4"))
-                            if share and sum(share.values()) else None))
-            work = sorted(work, key=lambda job: cost.get(job[0], 2))
+        for phase in (lambda: first, random_work):  # random's once dynamic's are in
+            work = sorted(phase(), key=lambda job: cost.get(job[0], 2))
             runs = pool.imap_unordered(_run_job, work) if pool else map(_run_job, work)
             for key, result, secs in runs:
                 metrics[key] = result

@@ -174,40 +174,25 @@ def _read_expert(store: ExpertStore, e: ExpertEntry, files: list) -> memoryview:
 def _copy_tensors(family: ModelFamily, e: ExpertEntry, data: memoryview, precision: str,
                   group_size: int) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
     """(name, dtype, shape, values) of one expert's copy: per in-memory parameter, a weight
-    matrix as [out, in] rows quantized with ``<name>.scale`` beside it, a bias as it is."""
+    matrix as [out, in] rows quantized with ``<name>.scale`` beside it (``quant.copy_parts``
+    names their dtypes and shapes), a bias as it is."""
+    import torch
+
     from common import quant
     from common.arena import expert_torch_views
 
-    params = family.expert_parameters(e, data, expert_torch_views(data, e))
+    dtypes = {t.name: t.dtype for t in e.tensors}  # a bias is one projection of the store
     out = []
-    for name, t in params.items():
+    for name, t in family.expert_parameters(e, data, expert_torch_views(data, e)).items():
         if t.dim() != 2:
-            raw = t.contiguous().view(torch_uint8()).numpy()
-            out.append((name, _SAFETENSORS_DTYPE[str(t.dtype)], tuple(t.shape), raw))
+            out.append((name, dtypes[name], tuple(t.shape),
+                        t.contiguous().view(torch.uint8).numpy()))
             continue
-        w = t.float()
-        if precision == "int8":
-            q, scale = quant.quantize_int8(w, family.weights_in_out)
-            out += [(name, "I8", tuple(q.shape), _np(q)),
-                    (f"{name}.scale", "F32", tuple(scale.shape), _np(scale))]
-        else:
-            q, scale = quant.quantize_int4(w, family.weights_in_out, group_size)
-            out += [(name, "U8", tuple(q.shape), _np(q)),
-                    (f"{name}.scale", "F16", tuple(scale.shape), _np(scale))]
+        values = quant.quantize(precision, t.float(), family.weights_in_out, group_size)
+        parts = quant.copy_parts(tuple(t.shape), family.weights_in_out, precision, group_size)
+        out += [(name if part.role == "q" else f"{name}.scale", part.dtype, tuple(part.shape),
+                 v.contiguous().numpy()) for part, v in zip(parts, values)]
     return out
-
-
-_SAFETENSORS_DTYPE = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
-
-
-def torch_uint8():
-    import torch
-
-    return torch.uint8
-
-
-def _np(x) -> np.ndarray:
-    return np.ascontiguousarray(x.numpy() if hasattr(x, "numpy") else np.asarray(x))
 
 
 def missing_copies(store_dir: str | Path, precisions: list[str]) -> list[str]:
@@ -215,6 +200,14 @@ def missing_copies(store_dir: str | Path, precisions: list[str]) -> list[str]:
     with ExpertStore.open(store_dir) as store:
         return [p for p in dict.fromkeys(precisions)
                 if p in COPY_PRECISIONS and p not in store.copies]
+
+
+def add_copies(store_dir: str | Path, precisions: list[str], show_progress: bool = True
+               ) -> list[str]:
+    """Write the copies among ``precisions`` that the store lacks; returns those written.
+    The store must not be open here (its writer's lock)."""
+    missing = missing_copies(store_dir, precisions)
+    return write_copies(store_dir, missing, show_progress=show_progress) if missing else []
 
 
 def write_copies(store_dir: str | Path, precisions: list[str], group_size: int | None = None,
@@ -226,7 +219,7 @@ def write_copies(store_dir: str | Path, precisions: list[str], group_size: int |
 
     store_dir = Path(store_dir)
     group_size = group_size or quant.GROUP_SIZE
-    wanted = [p for p in dict.fromkeys(precisions) if p not in (NATIVE, "bf16", "native")]
+    wanted = [p for p in dict.fromkeys(precisions) if p not in (NATIVE, "bf16")]
     for p in wanted:
         if p not in COPY_PRECISIONS:
             raise ValueError(f"precision {p!r}: a copy is one of {list(COPY_PRECISIONS)}")

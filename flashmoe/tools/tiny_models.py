@@ -86,25 +86,33 @@ def train_tokenizer(vocab: int):
                                    bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
+def tiny_model(family: str, seed: int = 0, **shape):
+    """A random-weight float32 model of ``family`` in memory, its experts transformers' eager
+    code (``experts_implementation="eager"``; the weights are those of the class built
+    plainly)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **shape)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    with torch.no_grad():
+        # transformers starts expert biases (GPT-OSS) at zero; random ones test their path
+        for name, parameter in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                parameter.normal_(0.0, config.initializer_range)
+    return model
+
+
 def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16",
                      **shape) -> Path:
     """Save a random-weight model of ``family`` (bf16 by default) and its tokenizer to
     ``out_dir``."""
     import torch
-    import transformers
 
-    config = tiny_config(family, **shape)
-    torch.manual_seed(seed)
-    model_cls = getattr(transformers, FAMILY_CLASSES[family][1])
-    with torch.device("cpu"):
-        model = model_cls(config)
-        with torch.no_grad():
-            # transformers starts expert biases (GPT-OSS) at zero; random ones test their path
-            for name, parameter in model.named_parameters():
-                if ".experts." in name and name.endswith("_bias"):
-                    parameter.normal_(0.0, config.initializer_range)
-        model = model.to(getattr(torch, dtype))
+    model = tiny_model(family, seed, **shape).to(getattr(torch, dtype))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
-    train_tokenizer(config.vocab_size).save_pretrained(out_dir)
+    train_tokenizer(model.config.vocab_size).save_pretrained(out_dir)
     return out_dir

@@ -30,8 +30,7 @@ class PrecisionPools:
         self.pool_names = [name for name, _ in pools]
         self.multi = len(pools) > 1
         self.precision = precision if self.multi else pools[0][0]
-        self.pool_bytes = dict(pool_bytes or {})
-        self.pool_bytes.setdefault("native", 0)
+        self.pool_bytes = dict(pool_bytes or {})  # (native: the core's expert_bytes)
         if self.multi:
             if scope != "global":
                 raise ValueError("a cache of several precisions keeps one global policy per "
@@ -100,9 +99,8 @@ class PrecisionPools:
             return last
         i = top._index(key)
         score = top._d[top.layer][i] + top.S[2][i]
-        for pool, (policy, free) in enumerate(zip(self.pool_policies, self.pool_free)):
-            if pool == last:
-                break
+        for pool in range(last):
+            policy, free = self.pool_policies[pool], self.pool_free[pool]
             if free and len(policy) < policy.capacity:
                 return pool
             worst = self._worst_score(policy)

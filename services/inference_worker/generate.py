@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from common.arena import expert_torch_views
 from common.cache_client import CacheClient, ExpertLoadError
 from common.config import FlashMoEConfig
 from common.model_families import FAMILIES
@@ -69,10 +68,10 @@ def arena_fetch(client: CacheClient) -> Fetch:
         for expert, slot in zip(experts, slots):
             precision, entry = client.expert_entry(layer, expert, slot)
             got.append(precision)
-            data = arena.span(slot, entry.nbytes)  # (a slot may span several units)
-            views = expert_torch_views(data, entry)
+            views = arena.torch_views(slot, entry)
             if precision == "native":
-                out.append(family.expert_parameters(entry, data, views))
+                out.append(family.expert_parameters(entry, arena.span(slot, entry.nbytes),
+                                                    views))
             else:
                 out.append(copy_parameters(store.at(precision).manifest.quant, precision,
                                            views))

@@ -10,12 +10,12 @@ layer's experts in one call. The hidden state is a random vector per token carri
 layers (added and RMS-normalised after each), so the compute of a decode step's experts is real
 while the routing stays the trace's.
 
-Why not transformers' eager forward itself, as ``ModelRunner`` runs it (and did here): for
-one position its loop over the experts is overhead (a one-hot mask, a search and an index_add_
-per expert, the StepGroup meeting), and it multiplies one expert at a time through torch's
-bf16 product. A token at the qwen3-moe-1.7b shape all in RAM took ~106 ms that way here: ~68
-in torch's products, ~18 in the eager loop's own steps, ~6 in the gate row by row, ~9 making
-the weights' views, ~5 in the step around them; ~28 ms now, ~22 of them in the kernel.
+Why not transformers' eager forward itself, as ``ModelRunner`` runs it: for one position its
+loop over the experts is overhead (a one-hot mask, a search and an index_add_ per expert, the
+StepGroup meeting), and it multiplies one expert at a time through torch's bf16 product. At the
+qwen3-moe-1.7b shape all in RAM a token takes ~28 ms this way, ~22 of them in the kernel; the
+eager way takes ~106: ~68 in torch's products, ~18 in the loop's own steps, ~6 in the gate row
+by row, ~9 making the weights' views, ~5 in the step around them.
 ``experts_forward`` does the eager forward's arithmetic in its order (the experts in ascending
 id, the weighted rows added in the compute dtype one after another, as index_add_ does):
 through torch's products it is bit-identical to the eager forward, through the kernel equal to

@@ -133,18 +133,10 @@ def test_kernel_writes_only_its_output_and_refuses_what_it_does_not_take(kernel)
 def _experts_module(family: str, dtype: torch.dtype):
     """A tiny model's experts module (transformers' own class, eager) with random weights
     and biases, in ``dtype``."""
-    from transformers import AutoModelForCausalLM
+    from flashmoe.tools.tiny_models import tiny_model
 
-    from flashmoe.tools.tiny_models import tiny_config
-
-    config = tiny_config(family, layers=1, experts=6, top_k=3, hidden=64, expert_intermediate=40)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    model = tiny_model(family, layers=1, experts=6, top_k=3, hidden=64, expert_intermediate=40)
     (_, module), = FAMILIES[family].experts_modules(model)
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            if name.endswith("_bias"):
-                parameter.normal_(0.0, 0.02)
     return module.to(dtype)
 
 

@@ -231,19 +231,10 @@ def test_eager_experts_of_every_family(kernel, family, precision):
     """A tiny model's experts module (transformers' own class, eager), its parameters swapped
     for per-expert QWeights: the output is that of the same module holding the dequantized
     weights, in float32, and in bf16 it runs too."""
-    from transformers import AutoModelForCausalLM
+    from flashmoe.tools.tiny_models import tiny_model
 
-    from flashmoe.tools.tiny_models import tiny_config
-
-    config = tiny_config(family, layers=1, experts=4, top_k=2, hidden=64,
-                         expert_intermediate=40)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    model = tiny_model(family, layers=1, experts=4, top_k=2, hidden=64, expert_intermediate=40)
     (_, module), = FAMILIES[family].experts_modules(model)
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            if name.endswith("_bias"):
-                parameter.normal_(0.0, 0.02)
     reference = module
     module = copy.deepcopy(module)
     quantize_experts_module(module, precision)

@@ -165,3 +165,25 @@ def test_the_inline_prefetcher_hints_beside_the_look_ahead_only_when_told():
         assert hooks.published > 0 and hooks.prefetcher.stats["tokens"] > 20
         hints[beside] = hooks.prefetcher.stats["hints"]
     assert 0 < hints[False] < hints[True]
+
+
+def test_bench_precisions_give_a_row_each_and_random_follows_dynamic():
+    """``--precision``: uniform copies for every policy, dynamic and random only for the
+    learned one (random in a second phase, with the fractions of dynamic's loads); a copy's
+    loads read its bytes; each row's mix is its computations' shares of the router weight."""
+    trace = tiny_trace()
+    shape = MODEL_SHAPES["olmoe-1b-7b"]
+    report = run_bench(trace, "global", [0.25], ["lru", "flashmoe"], DEVICES["orin-980pro"],
+                       shape, jobs=1, progress=False,
+                       precisions=("native", "int4", "dynamic", "random"))
+    rows = {(r["policy"], r["precision"]): r for r in report["results"]}
+    assert set(rows) == {("lru", "native"), ("lru", "int4"), ("flashmoe", "native"),
+                         ("flashmoe", "int4"), ("flashmoe", "dynamic"), ("flashmoe", "random")}
+    int4 = rows[("lru", "int4")]
+    assert int4["precision_mix"] == {"int4": 1.0}
+    assert int4["hit_rate"] > rows[("lru", "native")]["hit_rate"]  # 3.5x the experts fit
+    assert int4["ssd_bytes"] < rows[("lru", "native")]["ssd_bytes"]
+    for key in (("flashmoe", "dynamic"), ("flashmoe", "random")):
+        mix = rows[key]["precision_mix"]
+        assert set(mix) <= {"native", "int8", "int4"} and abs(sum(mix.values()) - 1) < 1e-9
+        assert rows[key]["ssd_bytes"] < rows[("flashmoe", "native")]["ssd_bytes"]
