@@ -37,6 +37,8 @@ def sample_value(info):
         return b"\x01\x02\x03\x04"
     if isinstance(info, t.ListType):
         return [sample_value(info.item_type)]
+    if isinstance(info, t.TupleType):
+        return tuple(sample_value(item) for item in info.item_types)
     if isinstance(info, t.DictType):
         return {sample_value(info.key_type): sample_value(info.value_type)}
     if isinstance(info, t.UnionType):
