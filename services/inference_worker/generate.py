@@ -36,7 +36,8 @@ NO_FREE_SLOT_WAIT_S = 0.002  # between tries while every free slot is still load
 
 
 def _acquire(client: CacheClient, layer: int, experts: list[int],
-             release_layers: Sequence[int], token: str) -> list[int]:
+             release_layers: Sequence[int], token: str, weights: Sequence[float] = ()
+             ) -> list[int]:
     """``client.acquire``, tried again while the cache manager has no slot to give because
     its unpinned slots are all loading (prefetches): they free up as loads complete. Bounded
     by ``ipc.acquire_timeout_s``."""
@@ -44,7 +45,7 @@ def _acquire(client: CacheClient, layer: int, experts: list[int],
     release = list(release_layers)
     while True:
         try:
-            return client.acquire(layer, experts, release, token)
+            return client.acquire(layer, experts, release, token, weights)
         except ExpertLoadError as exc:
             if (exc.code != "no_free_slot" or len(set(experts)) > client.ready.n_slots
                     or time.monotonic() > deadline):
@@ -60,26 +61,51 @@ def arena_fetch(client: CacheClient) -> Fetch:
     arena, store = client.arena, client.store
     family = FAMILIES[store.manifest.model_family]
     precisions: dict[int, list[str]] = {}  # layer -> the precision of each expert fetched last
+    # slot -> (layer, expert, precision, parameters) made last for it: a slot's pool (and so
+    # its precision) is fixed, and views of an expert's bytes stay right while it is there
+    made: dict[int, tuple[int, int, str, dict]] = {}
 
-    def fetch(layer: int, experts: list[int], release_layers: Sequence[int], token: str
-              ) -> list[dict[str, torch.Tensor]]:
-        slots = _acquire(client, layer, experts, release_layers, token)
+    def parameters(layer: int, expert: int, slot: int) -> tuple[str, dict]:
+        known = made.get(slot)
+        if known is not None and known[0] == layer and known[1] == expert:
+            return known[2], known[3]
+        precision, entry = client.expert_entry(layer, expert, slot)
+        data = arena.span(slot, entry.nbytes)
+        views = arena.torch_views(slot, entry)
+        if precision == "native":
+            params = family.expert_parameters(entry, data, views)
+        else:
+            params = copy_parameters(store.at(precision).manifest.quant, precision, views)
+        if _all_views(params, entry, views):  # (kept only where nothing was copied)
+            made[slot] = (layer, expert, precision, params)
+        return precision, params
+
+    def fetch(layer: int, experts: list[int], release_layers: Sequence[int], token: str,
+              weights: Sequence[float] = ()) -> list[dict[str, torch.Tensor]]:
+        slots = _acquire(client, layer, experts, release_layers, token, weights)
         out, got = [], []
         for expert, slot in zip(experts, slots):
-            precision, entry = client.expert_entry(layer, expert, slot)
+            precision, params = parameters(layer, expert, slot)
             got.append(precision)
-            views = arena.torch_views(slot, entry)
-            if precision == "native":
-                out.append(family.expert_parameters(entry, arena.span(slot, entry.nbytes),
-                                                    views))
-            else:
-                out.append(copy_parameters(store.at(precision).manifest.quant, precision,
-                                           views))
+            out.append(params)
         precisions[layer] = got
         return out
 
     fetch.precisions = precisions
     return fetch
+
+
+def _all_views(params: dict, entry, views: dict[str, torch.Tensor]) -> bool:
+    """Whether every tensor of ``params`` (a QWeight's too) lies in the expert's bytes, which
+    ``views`` (its projections, ``Arena.torch_views``) are views of: nothing was copied."""
+    first = entry.tensors[0]
+    start = views[first.name].data_ptr() - first.offset
+    end = start + entry.nbytes
+    for value in params.values():
+        tensors = (value.q, value.scale) if isinstance(value, QWeight) else (value,)
+        if not all(start <= t.data_ptr() < end for t in tensors):
+            return False
+    return True
 
 
 def copy_parameters(quant: dict, precision: str, views: dict[str, torch.Tensor]

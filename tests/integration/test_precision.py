@@ -133,6 +133,9 @@ def test_dynamic_serves_three_pools_and_a_qweight_reads_the_arena_in_place(tmp_p
                 if isinstance(w, QWeight):
                     base = np.frombuffer(client.arena.mmap, dtype=np.uint8).ctypes.data
                     assert base <= w.q.data_ptr() < base + len(client.arena.mmap)
+        # an expert still in its slot is given with the parameters made for it before
+        again = fetch(23, [3, 2, 1, 0], [], "")
+        assert all(a is b for a, b in zip(again, reversed(params)))
         stats = client.stats()
     assert seen == {"native", "int8", "int4"}
     assert sum(stats[f"n_load_{p}"] for p in names) == stats["n_load"] == 96
