@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -259,19 +260,20 @@ class CacheClient:
         self.seq += 1
         return self.seq
 
-    def acquire(self, layer: int, experts: list[int], release_layers=(), token: str = ""
-                ) -> list[int]:
+    def acquire(self, layer: int, experts: list[int], release_layers=(), token: str = "",
+                weights: Sequence[float] = ()) -> list[int]:
         """Slots holding the layer's experts, pinned until this layer is released (or
         acquired again); ``release_layers`` are dropped first, in the same message.
         ``token``: the decode step's input token, context for the manager's prefetcher; the
-        request also carries ``self.step`` (the worker sets it: ``AcquireReq.step``)."""
+        request also carries ``self.step`` (the worker sets it: ``AcquireReq.step``).
+        ``weights``: the router's weight of each expert (``AcquireReq.weights``), or none."""
         self.seq = seq = self.seq + 1
         held = self.held
         for released in release_layers:
             held.pop(released, None)
         held.pop(layer, None)  # (a failed acquire leaves the layer unpinned)
-        slots = self._request(AcquireReq(seq, layer, experts, release_layers, token, self.step),
-                              AcquireRep, seq).slots
+        slots = self._request(AcquireReq(seq, layer, experts, release_layers, token, self.step,
+                                         [float(w) for w in weights]), AcquireRep, seq).slots
         generations = self.arena.generations
         held[layer] = (slots, [generations[slot] for slot in slots])
         return slots

@@ -113,6 +113,12 @@ class CacheConfig:
         "dynamic: a miss is loaded at a better precision only if it is expected back sooner "
         "than that pool's latest-expected resident by (its bytes / int4's bytes) to this "
         "power (0: sooner at all).", lo=0.0, hi=8.0))
+    precision_weight: float = field(default=0.0, metadata=_spec(
+        "dynamic: how much a miss's router weight counts: its expected next use is divided "
+        "by (its weight over the request's mean weight) to this power before the comparison "
+        "(an expert carrying more than its share of the token goes to a better precision); "
+        "0: weights ignored (on the dev split they moved bytes and error along the same "
+        "line as precision_admit does: docs/results/precision.md).", lo=0.0, hi=8.0))
     precision_upgrades: int = field(default=0, metadata=_spec(
         "dynamic: most upgrades a decode step (a resident int4 or int8 expert read again at a "
         "better precision while the disk would idle, once it is expected sooner than that "

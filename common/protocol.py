@@ -31,12 +31,16 @@ import msgspec
 # 6: AccessEvent.prefill (a prompt position's routing, not a decode step's).
 # 7: Hello.shape (the model shape a worker expects; the manager refuses another).
 # 8: Ready.pools (the arena's slots by precision: cache.precision).
-SCHEMA_VERSION = 8
+# 9: AcquireReq.weights (the router's weight of each expert: cache.precision_weight).
+SCHEMA_VERSION = 9
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ExpertIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
 LayerIds = Annotated[list[NonNeg], msgspec.Meta(max_length=1024)]
 ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+# non-negative and finite (NaN fails the bound); router weights are at most 1 in the families
+# here, and the bound only keeps out the absurd
+Weight = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
 Digests = Annotated[dict[ShortText, ShortText], msgspec.Meta(max_length=64)]
 # layers | experts | top_k | expert_bytes -> value; a key absent or 0 is not compared
 ModelShape = Annotated[dict[ShortText, NonNeg], msgspec.Meta(max_length=16)]
@@ -80,6 +84,10 @@ class AcquireReq(Message):
     # for it (-1: it publishes none). A Prediction's event_seq + 1 is the step it is for, so
     # the cache manager can tell an estimate of a step already past from the current one's.
     step: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    # The router's weight of each expert, in request order (for several positions, its mean
+    # over them; an expert a position did not choose counts 0 there); [] when unknown. A
+    # dynamic-precision cache keeps the experts of large weight at a better precision.
+    weights: Annotated[list[Weight], msgspec.Meta(max_length=1024)] = []
 
 
 class AcquireRep(Message):
@@ -92,8 +100,8 @@ class AcquireError(Message):
     seq: NonNeg  # echo of AcquireReq.seq
     layer: NonNeg
     # checksum | io_error | io_timeout | no_free_slot (the load or the room failed);
-    # unknown_layer | unknown_expert | duplicate_expert | too_many_experts (refused: the
-    # request does not fit the model; nothing changed)
+    # unknown_layer | unknown_expert | duplicate_expert | too_many_experts | bad_weights
+    # (refused: the request does not fit the model; nothing changed)
     code: ShortText
     message: ShortText  # human-readable detail
     experts: list[NonNeg]  # the experts the error is about

@@ -63,7 +63,7 @@ def work(args: argparse.Namespace) -> int:
     # The file's bytes stay where they are: each expert's views are made once, on first use.
     views: dict[tuple[int, int], dict] = {}
 
-    def fetch(layer, experts, release, token):
+    def fetch(layer, experts, release, token, weights=()):
         out = []
         for expert in experts:
             params = views.get((layer, expert))

@@ -151,14 +151,16 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                 params: dict | None = None, hooks: ReplayHooks | None = None,
                 prefetch_budget: int = 0, prefetch_window: int | None = None,
                 precision: str = "native", fractions: tuple[float, ...] | None = None,
-                admit: float = 1.0, upgrades: int = 0, layout=None) -> CoreRun:
+                admit: float = 1.0, upgrades: int = 0, layout=None,
+                weight_power: float = 0.0) -> CoreRun:
     """``core`` mode: the cache manager's core on a virtual clock, driven by the worker's
     acquire schedule. ``next_use``: per request in token-major order (oracle policies).
     Prefetch loads (``hooks`` hinting, within ``prefetch_budget``) share the SSD with demand
     reads; one is started when the disk has less than one expert's transfer left queued
     (the free queue depth). ``precision``: cache.precision (``sim_layout``; ``fractions``:
     random's; ``layout``: the arena's ``ArenaLayout``, a live store's, instead of the
-    device model's); the run's ``mix`` is the router weight computed at each precision."""
+    device model's; ``weight_power``: cache.precision_weight, by the trace's router
+    probabilities); the run's ``mix`` is the router weight computed at each precision."""
     L, E = trace.num_layers, trace.num_experts
     sizes = {(layer, expert): expert_bytes for layer in range(L) for expert in range(E)}
     n_slots = capacity * (L if scope == "layer" else 1)
@@ -187,7 +189,7 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                                 prefetch_budget=prefetch_budget, prefetch_window=prefetch_window,
                                 pools=pools, pool_bytes=pool_bytes, precision=precision,
                                 fractions=fractions, admit=admit,
-                                upgrades_per_token=upgrades)
+                                upgrades_per_token=upgrades, weight_power=weight_power)
         if next_use is not None:
             future = next_use[start * L * K:stop * L * K]
             if scope == "layer":  # each layer's cache sees its own layer's requests only
@@ -209,10 +211,12 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
             if hooked:
                 hooks.before_request(core, now, token, layer)
             before = stats["n_hit"]
-            _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release, step=token)
+            weights = probs[token, layer].tolist() if pools is not None and \
+                probs is not None else None
+            _slots, loads, waiter = acquire(SIM_WORKER, layer, experts, release, step=token,
+                                            weights=weights)
             if pools is not None:
-                weights = probs[token, layer] if probs is not None else [1.0] * len(experts)
-                for slot, weight in zip(_slots, weights):
+                for slot, weight in zip(_slots, weights or [1.0] * len(experts)):
                     name = core.precision_of(slot)
                     mix[name] = mix.get(name, 0.0) + float(weight)
             if loads and not heap:
@@ -296,7 +300,8 @@ def _core_job(policy: str, capacity: int, precision: str = "native",
                           prefetch_window=config.prefetch.window if prefetch else None,
                           precision=precision, fractions=fractions,
                           admit=config.cache.precision_admit,
-                          upgrades=config.cache.precision_upgrades)
+                          upgrades=config.cache.precision_upgrades,
+                          weight_power=config.cache.precision_weight)
     except AcquireFailed as exc:
         return {"infeasible": str(exc)}
     stats = run.stats

@@ -28,7 +28,7 @@ import dataclasses
 import json
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Mapping
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 from .policies import EvictionPolicy, PolicyError, make_policy, needs_core, needs_future
 from .pools import PrecisionPools
@@ -90,7 +90,8 @@ class CacheManagerCore(PrecisionPools):
                  pools: list[tuple[str, list[int]]] | None = None,
                  pool_bytes: Mapping[str, int] | None = None, precision: str = "native",
                  fractions: tuple[float, ...] | None = None, seed: int = 0,
-                 admit: float = 1.0, upgrades_per_token: int = 0) -> None:
+                 admit: float = 1.0, upgrades_per_token: int = 0,
+                 weight_power: float = 0.0) -> None:
         """``expert_bytes``: every known expert and its size (for byte counters).
         ``pools``: the arena's slots by precision (``common.arena.ArenaLayout``), best
         precision first; None: one native pool of ``n_slots`` slots. ``pool_bytes``: an
@@ -98,7 +99,8 @@ class CacheManagerCore(PrecisionPools):
         with several pools, ``dynamic`` (by the policy's estimate, ``_choose_pool``) or
         ``random`` (with probabilities ``fractions``, one per pool); ``admit``: how much
         sooner than a better pool's worst resident a dynamic miss must be expected, per unit
-        of its bytes over the lowest precision's (``_choose_pool``); ``upgrades_per_token``:
+        of its bytes over the lowest precision's (``_choose_pool``); ``weight_power``: how
+        much a miss's router weight counts there (``_choose_pool``); ``upgrades_per_token``:
         most upgrades started per decode step (``_upgrades``).
         ``prefetch_budget``: most prefetch loads in flight; ``prefetch_window``: most pending
         hints (default: the budget). ``allow_oracle``: only the trace simulator may run
@@ -146,6 +148,7 @@ class CacheManagerCore(PrecisionPools):
         self._init_pools(pools, pool_bytes, precision, fractions, seed, admit,
                          upgrades_per_token, scope, policy, policy_params, layers,
                          num_experts, n_slots)
+        self.weight_power = weight_power
 
     # --- pins -----------------------------------------------------------------------------
 
@@ -238,12 +241,15 @@ class CacheManagerCore(PrecisionPools):
     # --- requests -------------------------------------------------------------------------
 
     def acquire(self, worker: Worker, layer: int, experts: list[int],
-                release_layers: Iterable[int] = (), tag: Any = None, step: int | None = None
+                release_layers: Iterable[int] = (), tag: Any = None, step: int | None = None,
+                weights: Sequence[float] | None = None
                 ) -> tuple[list[int], list[Load], Waiter | None]:
         """Plan one request: (slot per expert in request order, loads the caller must start,
         a Waiter when some expert is not resident yet, else None: answer now). ``step``: the
         worker's decode step (``AcquireReq.step``), which tells a layer-aware policy how old
-        its estimate is (policies/scored.py)."""
+        its estimate is (policies/scored.py). ``weights``: the router's weight of each
+        expert (``AcquireReq.weights``), for the choice of a miss's precision; None or
+        empty: unknown."""
         pins = self.pins
         for released in release_layers:
             keys = pins.pop((worker, released), None)
@@ -278,15 +284,18 @@ class CacheManagerCore(PrecisionPools):
         pending: list[Load] = []
         pinned: list[ExpertKey] = []
         n_hit = n_miss = n_loading = 0
+        # a miss's router weight over the request's mean: its share (1: an even one)
+        mean_weight = sum(weights) / len(weights) if weights else 0.0
         try:
-            for key in keys:
+            for i, key in enumerate(keys):
                 slot = slot_of.get(key)
                 if key in pinned:  # a duplicate within this request
                     slots.append(slot)
                     continue
                 if slot is None:
                     n_miss += 1
-                    target, slot, pool = self._room_for(key, policy)
+                    share = weights[i] / mean_weight if mean_weight else 1.0
+                    target, slot, pool = self._room_for(key, policy, share)
                     if slot is None:
                         raise AcquireFailed(
                             "no_free_slot", f"every one of the {target.capacity} slots of this "

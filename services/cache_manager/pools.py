@@ -84,13 +84,15 @@ class PrecisionPools:
         name = self.pool_names[pool]
         return self.expert_bytes[key] if name == "native" else self.pool_bytes[name]
 
-    def _choose_pool(self, key: ExpertKey) -> int:
+    def _choose_pool(self, key: ExpertKey, share: float = 1.0) -> int:
         """The pool a load of ``key`` goes to. ``random``: drawn with ``fractions``.
         ``dynamic``: the best precision whose pool has room, or whose worst resident (the
         largest eviction score, i.e. latest expected next use) is expected later than this
         key's next use after the present one times ``admit_factor`` (a native load reads
-        ~3.5x an int4 one's bytes: it must be worth it); the lowest precision when none is
-        (or while the policy has no estimate)."""
+        ~3.5x an int4 one's bytes: it must be worth it) over ``share`` (the expert's router
+        weight over the request's mean: 1 for an even share) to ``weight_power`` (its error
+        counts in proportion to its weight, now and, as weights recur, later); the lowest
+        precision when none is (or while the policy has no estimate)."""
         if self.precision == "random":
             return self._rng.choices(range(len(self.pool_names)), weights=self.fractions)[0]
         last = len(self.pool_names) - 1
@@ -99,6 +101,8 @@ class PrecisionPools:
             return last
         i = top._index(key)
         score = top._d[top.layer][i] + top.S[2][i]
+        if self.weight_power and share != 1.0:
+            score /= max(share, 1e-3) ** self.weight_power
         for pool in range(last):
             policy, free = self.pool_policies[pool], self.pool_free[pool]
             if free and len(policy) < policy.capacity:
@@ -119,13 +123,14 @@ class PrecisionPools:
             return None
         return float(policy.scores()[idx].max())
 
-    def _room_for(self, key: ExpertKey, policy: EvictionPolicy | None
+    def _room_for(self, key: ExpertKey, policy: EvictionPolicy | None, share: float = 1.0
                   ) -> tuple[EvictionPolicy, int | None, int]:
         """(the policy, a slot or None, the pool) of a new load of ``key``: with several
-        pools, the chosen pool's (``_choose_pool``); else ``policy``'s, the key's own."""
+        pools, the chosen pool's (``_choose_pool``, ``share`` its router weight over the
+        request's mean); else ``policy``'s, the key's own."""
         pool = 0
         if self.multi:
-            pool = self._choose_pool(key)
+            pool = self._choose_pool(key, share)
             policy = self.pool_policies[pool]
         policy.on_miss(key)
         return policy, self._make_room(policy, self.pool_free[pool] if self.multi else None), \

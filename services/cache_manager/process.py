@@ -60,7 +60,7 @@ ARENA_CHECK_S = 1.0  # how often the loop checks that the arena's /dev/shm file 
 HANDSHAKE_SECTIONS = ("store", "cache", "ipc")
 # Refusals counted in the stats as refused_<code> (present from the start, at 0).
 REFUSALS = ("unknown_layer", "unknown_expert", "duplicate_expert", "too_many_experts",
-            "pins_lost", "shape_mismatch")
+            "bad_weights", "pins_lost", "shape_mismatch")
 DROPPED_KEPT = 4096  # identities of dropped workers remembered (to answer them pins_lost)
 EXIT_ARENA_LOST = 4
 
@@ -123,7 +123,8 @@ class CacheManager(Service):
                 pool_bytes={p: c.manifest.max_expert_bytes for p, c in self.store.copies.items()},
                 precision=config.cache.precision, fractions=fractions,
                 admit=config.cache.precision_admit,
-                upgrades_per_token=config.cache.precision_upgrades)
+                upgrades_per_token=config.cache.precision_upgrades,
+                weight_power=config.cache.precision_weight)
         except (PolicyError, ValueError) as exc:
             raise ConfigError(f"cache.policy = {config.cache.policy!r} / cache.policy_params = "
                               f"{config.cache.policy_params!r} / cache.scope = "
@@ -458,6 +459,9 @@ class CacheManager(Service):
         self.counters["n_acquire"] += 1
         try:
             position = self.check_request(msg.layer, msg.experts, msg.release_layers)
+            if msg.weights and len(msg.weights) != len(msg.experts):
+                raise Refusal("bad_weights", f"{len(msg.weights)} router weights for "
+                              f"{len(msg.experts)} experts")
         except Refusal as exc:
             self.refused(identity, exc, "an acquire")
             self.send(identity, AcquireError(msg.seq, msg.layer, exc.code, str(exc)[:4000],
@@ -473,7 +477,7 @@ class CacheManager(Service):
             step = msg.step if msg.step >= 0 and len(self.workers) == 1 else None
             slots, loads, waiter = self.core.acquire(identity, msg.layer, msg.experts,
                                                      msg.release_layers, tag=(identity, msg.seq),
-                                                     step=step)
+                                                     step=step, weights=msg.weights)
         except AcquireFailed as exc:
             self.send(identity, AcquireError(msg.seq, msg.layer, exc.code, str(exc), exc.experts))
             return

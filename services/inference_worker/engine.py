@@ -425,7 +425,8 @@ class Engine:
         first = sequences[0]
         token = "" if not first.prefilled else self._text(first.generated[-1])
         group = StepGroup(len(sequences),
-                          lambda layer, experts: runner.fetch_layer(layer, experts, token),
+                          lambda layer, experts, weights: runner.fetch_layer(
+                              layer, experts, token, weights),
                           self.max_request, runner.dtype,
                           hint=self._hint if self.hint is not None else None)
         if self.publisher is not None:

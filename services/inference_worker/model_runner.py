@@ -38,8 +38,9 @@ from torch import nn
 from common.model_families import ModelFamily, family_for_config
 from common.store import CONFIG_NAME, NON_EXPERT_NAME, StoreError
 
-# fetch(layer, experts, release_layers, token) -> per expert, {parameter name: tensor}
-Fetch = Callable[[int, list[int], Sequence[int], str], list[dict[str, torch.Tensor]]]
+# fetch(layer, experts, release_layers, token, weights=()) -> per expert, {parameter name:
+# tensor}; ``weights``: the router's weight of each expert (AcquireReq.weights), or none
+Fetch = Callable[..., list[dict[str, torch.Tensor]]]
 
 
 # safetensors (0.8) hands out tensors in place in the file's bytes, where a tensor starts
@@ -88,6 +89,8 @@ class _Meet:
     def __init__(self, layer: int) -> None:
         self.layer = layer
         self.rows: list[list[list[int]]] = []  # per forward: its positions' top-k
+        self.weight: dict[int, float] = {}  # expert -> its router weights' sum over positions
+        self.positions = 0
         self.requests: list[list[int]] = []
         self.done_requests = 0  # requests fetched so far
         self.loaded: dict[int, dict[str, torch.Tensor]] = {}
@@ -103,11 +106,12 @@ class StepGroup:
     the shared weights. Each forward runs with ``cond`` held and lets go of it only while it
     waits, so one computes at a time: every product is the one it would be alone.
 
-    ``fetch(layer, experts)``: the weights of ``experts`` (one request to the cache manager,
-    which drops the pins of the request before it). ``hint(layer, experts)``: a prefetch
-    hint (router look-ahead), or None."""
+    ``fetch(layer, experts, weights)``: the weights of ``experts`` (one request to the cache
+    manager, which drops the pins of the request before it; ``weights``: each expert's mean
+    router weight over the step's positions). ``hint(layer, experts)``: a prefetch hint
+    (router look-ahead), or None."""
 
-    def __init__(self, size: int, fetch: Callable[[int, list[int]], list[dict]],
+    def __init__(self, size: int, fetch: Callable[[int, list[int], list[float]], list[dict]],
                  max_request: int, dtype: torch.dtype,
                  hint: Callable[[int, list[int]], None] | None = None) -> None:
         self.size, self.fetch, self.max_request, self.dtype = size, fetch, max_request, dtype
@@ -130,12 +134,19 @@ class StepGroup:
             self.error = error
         self.cond.notify_all()
 
-    def arrive(self, layer: int, rows: list[list[int]], lookahead: dict[int, set[int]]
-               ) -> _Meet:
+    def arrive(self, layer: int, rows: list[list[int]], lookahead: dict[int, set[int]],
+               weights: list[list[float]] = ()) -> _Meet:
+        """A forward's routing at ``layer``: its positions' top-k ``rows`` and their router
+        ``weights``; it returns once the layer's first request is fetched."""
         meet = self.meets.get(layer)
         if meet is None:
             meet = self.meets[layer] = _Meet(layer)
         meet.rows.append(rows)
+        meet.positions += len(rows)
+        total = meet.weight
+        for row, row_weights in zip(rows, weights):
+            for expert, weight in zip(row, row_weights):
+                total[expert] = total.get(expert, 0.0) + weight
         for ahead, experts in lookahead.items():
             self.hints.setdefault(ahead, set()).update(experts)
         if len(meet.rows) == self.size:
@@ -158,8 +169,10 @@ class StepGroup:
         meet.loaded = {}  # the views of the request before go first: this one unpins them
         meet.waiting = 0
         experts = meet.requests[meet.done_requests]
+        n = meet.positions
+        weights = [meet.weight.get(e, 0.0) / n for e in experts] if meet.weight else []
         try:
-            params = self.fetch(meet.layer, experts)
+            params = self.fetch(meet.layer, experts, weights)
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -245,7 +258,8 @@ class ArenaExperts(nn.Module):
         ctx.routing[self.layer] = (top_k_index, top_k_weights)
         ahead = runner.look_ahead(self.layer, hidden_states)
         ctx.lookahead.update(ahead)
-        ctx.meet = ctx.group.arrive(self.layer, top_k_index.tolist(), ahead)
+        ctx.meet = ctx.group.arrive(self.layer, top_k_index.tolist(), ahead,
+                                    top_k_weights.tolist())
         try:
             return self.eager(hidden_states, top_k_index, top_k_weights)
         finally:
@@ -420,11 +434,12 @@ class ModelRunner:
                                torch.full_like(first_kept, usable))
         return torch.where(keep, index, stand_in), new_weights, rows
 
-    def fetch_layer(self, layer: int, experts: list[int], token: str = ""
-                    ) -> list[dict[str, torch.Tensor]]:
-        """One request through ``fetch``, dropping the pins of the layer fetched before."""
+    def fetch_layer(self, layer: int, experts: list[int], token: str = "",
+                    weights: Sequence[float] = ()) -> list[dict[str, torch.Tensor]]:
+        """One request through ``fetch``, dropping the pins of the layer fetched before;
+        ``weights``: the router's weight of each expert, or none."""
         release = [] if self._last_layer in (None, layer) else [self._last_layer]
-        params = self.fetch(layer, experts, release, token)
+        params = self.fetch(layer, experts, release, token, weights)
         self._last_layer = layer
         return params
 
@@ -486,7 +501,8 @@ class ModelRunner:
         return True
 
     def solo_group(self, token: str = "") -> StepGroup:
-        return StepGroup(1, lambda layer, experts: self.fetch_layer(layer, experts, token),
+        return StepGroup(1, lambda layer, experts, weights: self.fetch_layer(layer, experts,
+                                                                            token, weights),
                          self.prefill_request_experts, self.dtype)
 
     def reset(self) -> None:

@@ -109,6 +109,7 @@ class TraceWorker:
         trace, stream, client = self.trace, self.stream, self.client
         last = trace.num_layers - 1
         compute, hidden = self.compute, None
+        probs = trace.probs[t].astype(float).tolist() if trace.probs is not None else None
         k = trace.top_k
         client.step = self.publisher.seq if self.publisher is not None else -1
         self._pace()
@@ -121,11 +122,12 @@ class TraceWorker:
                 if left > 0:
                     time.sleep(left)
             if compute is None:
-                client.acquire(layer, experts, release, stream.input_token[t])
-            else:  # the acquire happens inside, with the same release
-                weights = trace.probs[t, layer].astype(float).tolist() \
-                    if trace.probs is not None else [1.0 / k] * k
-                hidden = compute.step(hidden, layer, experts, weights)
+                client.acquire(layer, experts, release, stream.input_token[t],
+                               probs[layer] if probs else ())
+            else:  # the acquire happens inside, with the same release and weights
+                weights = probs[layer] if probs else [1.0 / k] * k
+                hidden = compute.step(hidden, layer, experts, weights,
+                                      known_weights=probs is not None)
                 got = getattr(compute.fetch, "precisions", {}).get(layer, ())
                 mix = self.precision_weight
                 for precision, weight in zip(got, weights):

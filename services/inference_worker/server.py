@@ -99,10 +99,10 @@ class Connection:
         self.runner = runner
         runner.fetch = self.fetch
 
-    def fetch(self, layer, experts, release_layers, token):
+    def fetch(self, layer, experts, release_layers, token, weights=()):
         self.connect()
         try:
-            return self._fetch(layer, experts, release_layers, token)
+            return self._fetch(layer, experts, release_layers, token, weights)
         except CacheManagerUnavailable:
             self.drop()
             raise

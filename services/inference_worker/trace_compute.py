@@ -24,6 +24,7 @@ it but for a bf16 rounding of the products (tests/unit/test_native_kernel.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -65,10 +66,12 @@ class TraceExperts:
             check_experts_module(layer, module, self.family)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def fetch_layer(self, layer: int, experts: list[int]) -> list[dict[str, torch.Tensor]]:
-        """One request, dropping the pins of the layer fetched before."""
+    def fetch_layer(self, layer: int, experts: list[int], weights: Sequence[float] = ()
+                    ) -> list[dict[str, torch.Tensor]]:
+        """One request, dropping the pins of the layer fetched before; ``weights``: the
+        router's weight of each expert, or none."""
         release = [] if self._last_layer in (None, layer) else [self._last_layer]
-        params = self.fetch(layer, experts, release, self.token)
+        params = self.fetch(layer, experts, release, self.token, weights)
         self._last_layer = layer
         return params
 
@@ -90,11 +93,14 @@ class TraceExperts:
 
     @torch.inference_mode()
     def step(self, hidden: torch.Tensor, layer: int, experts: list[int],
-             weights: list[float]) -> torch.Tensor:
-        """One MoE layer: its experts (one AcquireReq, in the trace's order) applied to
-        ``hidden``."""
-        request = list(dict.fromkeys(experts))
-        params = dict(zip(request, self.fetch_layer(layer, request)))
+             weights: list[float], known_weights: bool = True) -> torch.Tensor:
+        """One MoE layer: its experts (one AcquireReq, in the trace's order, with their
+        router weights unless not ``known_weights``) applied to ``hidden``."""
+        request: dict[int, float] = {}  # expert -> its weight (a repeated one's summed)
+        for expert, weight in zip(experts, weights):
+            request[expert] = request.get(expert, 0.0) + weight
+        params = dict(zip(request, self.fetch_layer(
+            layer, list(request), list(request.values()) if known_weights else ())))
         out = hidden + experts_forward(self.experts[layer], hidden, experts, weights, params,
                                        self.dtype)
         return torch.nn.functional.rms_norm(out.float(), (self.hidden,), eps=1e-6

@@ -27,7 +27,7 @@ from tests.support.manager import ManagerHandle
 
 REPLY_WAIT_MS = 10_000  # a reply later than this counts as a hang
 ACQUIRE_CODES = {"unknown_layer", "unknown_expert", "duplicate_expert", "too_many_experts",
-                 "no_free_slot", "checksum", "io_error"}
+                 "bad_weights", "no_free_slot", "checksum", "io_error"}
 U64 = 2**64 - 1
 
 

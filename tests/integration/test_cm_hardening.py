@@ -77,6 +77,9 @@ def test_requests_that_do_not_fit_the_model_are_refused_by_code(scope, tiny_stor
         with pytest.raises(ExpertLoadError) as info:
             client.acquire(0, [1], release_layers=[5])
         assert info.value.code == "unknown_layer"
+        with pytest.raises(ExpertLoadError) as info:  # one router weight for two experts
+            client.acquire(0, [1, 2], weights=[1.0])
+        assert info.value.code == "bad_weights"
         with pytest.raises(RequestRefused) as refused:
             client.release([9])
         assert refused.value.code == "unknown_layer"
@@ -88,6 +91,7 @@ def test_requests_that_do_not_fit_the_model_are_refused_by_code(scope, tiny_stor
     assert stats["refused_unknown_layer"] == 4 + 1
     assert stats["refused_unknown_expert"] == 2
     assert stats["refused_duplicate_expert"] == stats["refused_too_many_experts"] == 1
+    assert stats["refused_bad_weights"] == 1
     assert stats["n_miss"] == 2 and stats["prefetch_issued"] == 0 and stats["pinned"] == 2
 
 

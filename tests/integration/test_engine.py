@@ -52,9 +52,9 @@ def parts_over(store, start_manager):
         fetches = []
         fetch = arena_fetch(client)
 
-        def watched(layer, experts, release, token):
+        def watched(layer, experts, release, token, weights=()):
             fetches.append((layer, list(experts)))
-            return fetch(layer, experts, release, token)
+            return fetch(layer, experts, release, token, weights)
 
         yield client, ModelRunner(store, watched), load_tokenizer(store), fetches
 
@@ -88,11 +88,11 @@ def test_a_failed_fetch_fails_its_step_and_the_engine_goes_on(engine_parts):
     real = runner.fetch
     calls = {"n": 0}
 
-    def flaky(layer, experts, release, token):
+    def flaky(layer, experts, release, token, weights=()):
         calls["n"] += 1
         if calls["n"] == 5:
             raise RuntimeError("a read failed")
-        return real(layer, experts, release, token)
+        return real(layer, experts, release, token, weights)
 
     runner.fetch = flaky
     engine = make_engine(client, runner, tokenizer, 6, 3)
@@ -134,7 +134,7 @@ def test_a_failed_load_fails_the_request_that_needs_it_and_the_others_go_on(engi
     real = runner.fetch
     injected = []
 
-    def failing(layer, experts, release, token):
+    def failing(layer, experts, release, token, weights=()):
         meet = runner.context().group.meets[layer]
         if not injected and all(len(rows) == 1 for rows in meet.rows):  # a decode step
             chosen = [set(rows[0]) for rows in meet.rows]

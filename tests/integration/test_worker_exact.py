@@ -104,12 +104,13 @@ def test_worker_logits_are_bit_identical_to_transformers_eager(family, dtype, mo
     manager = start_manager(store, f"cache.capacity_experts={CAPACITY}")
     with CacheClient(manager.endpoint) as client:
         arena = client.arena
-        fetched_from = []
+        fetched_from, requests = [], []
         fetch = arena_fetch(client)
 
-        def watched(layer, experts, release, token):
-            params = fetch(layer, experts, release, token)
+        def watched(layer, experts, release, token, weights=()):
+            params = fetch(layer, experts, release, token, weights)
             fetched_from.extend(t.data_ptr() for p in params for t in p.values())
+            requests.append((list(experts), list(weights)))
             return params
 
         runner = ModelRunner(store, watched)
@@ -125,7 +126,10 @@ def test_worker_logits_are_bit_identical_to_transformers_eager(family, dtype, mo
         got = [runner.prefill(prompt_ids)]
         for _ in range(STEPS):
             token = int(got[-1].logits.argmax())
+            requests.clear()
             got.append(runner.decode(token, f"<{token}>"))
+            # a decode step's requests carry its router's choice and weights, layer by layer
+            assert requests == list(zip(got[-1].experts, got[-1].probs))
         stats = client.stats()
         mapping_start = np.frombuffer(arena.mmap, dtype=np.uint8).ctypes.data
         arena_bytes = arena.slot_bytes * arena.n_slots

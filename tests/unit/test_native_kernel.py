@@ -222,8 +222,9 @@ def test_trace_experts_fetch_one_request_a_layer_and_drop_the_layer_before(tmp_p
     params = _slices(module)
     calls = []
 
-    def fetch(layer, experts, release, token):
-        calls.append((layer, list(experts), list(release), token))
+    def fetch(layer, experts, release, token, weights=()):
+        calls.append((layer, list(experts), list(release), token,
+                       [round(w, 6) for w in weights]))
         return [params[e] for e in experts]
 
     compute = TraceExperts(tmp_path, fetch)
@@ -231,5 +232,7 @@ def test_trace_experts_fetch_one_request_a_layer_and_drop_the_layer_before(tmp_p
     hidden = compute.new_token("tok")
     hidden = compute.step(hidden, 0, [4, 0, 2], [0.5, 0.3, 0.2])
     hidden = compute.step(hidden, 1, [3, 5, 3], [0.4, 0.4, 0.2])
-    assert calls == [(0, [4, 0, 2], [], "tok"), (1, [3, 5], [0], "tok")]
+    # one request per layer, a repeated expert once with its weights summed
+    assert calls == [(0, [4, 0, 2], [], "tok", [0.5, 0.3, 0.2]),
+                     (1, [3, 5], [0], "tok", [0.6, 0.4])]
     assert hidden.dtype == BF16 and hidden.shape == (1, 64) and hidden.isfinite().all()

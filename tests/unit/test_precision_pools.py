@@ -113,6 +113,25 @@ def test_dynamic_puts_an_expert_expected_soon_at_native_and_the_rest_lower():
     assert all(c.precision_of(s) for s in held)
 
 
+@pytest.mark.parametrize("weights, pools", [([0.9, 0.1], ["int8", "int4"]),
+                                             ([0.1, 0.9], ["int4", "int8"])])
+def test_dynamic_keeps_the_expert_of_larger_router_weight_at_the_better_precision(weights,
+                                                                                  pools):
+    """Two misses with the same estimate: the one carrying more of the token's routing goes
+    to int8 (its expected next use over its share beats int8's worst resident), the other
+    to int4; swapping the weights swaps the pools."""
+    c = core(weight_power=1.0)
+    c.set_estimate(estimate({(0, 1): 0.5, (0, 2): 1.0}))
+    for layer, experts in ((0, [1, 2, 3]), (1, [0, 1, 2, 3])):  # every pool full
+        _, loads, _ = c.acquire("w", layer, experts)
+        for load in loads:
+            c.finish_load(load.key, True)
+        c.release("w")
+    c.set_estimate(estimate({(0, 1): 0.5, (0, 2): 1.0, (0, 5): 30.0, (0, 6): 30.0}))
+    slots, _, _ = c.acquire("w", 0, [5, 6], weights=weights)
+    assert [c.precision_of(s) for s in slots] == pools
+
+
 def test_dynamic_without_an_estimate_loads_at_the_lowest_precision():
     c = core()
     slots, _, _ = c.acquire("w", 0, [1, 2])

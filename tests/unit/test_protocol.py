@@ -48,14 +48,17 @@ def test_control_replies_roundtrip():
 
 
 def test_wire_is_plain_msgpack_with_version():
-    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0], "the", 12)))
-    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0], "the", 12]
+    version, body = msgpack.unpackb(encode(AcquireReq(3, 1, [4, 7], [0], "the", 12,
+                                                      [0.75, 0.25])))
+    assert version == SCHEMA_VERSION and body == ["AcquireReq", 3, 1, [4, 7], [0], "the", 12,
+                                                  [0.75, 0.25]]
 
 
 def test_an_acquire_without_its_step_says_none():
     """A request that leaves the step out (-1) says the worker publishes no events."""
     frame = msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 3, 1, [4, 7], [0], "the"]])
-    assert Decoder(WorkerToCache).decode(frame).step == -1
+    message = Decoder(WorkerToCache).decode(frame)
+    assert message.step == -1 and message.weights == []  # and its router weights unknown
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -68,6 +71,13 @@ def test_an_acquire_without_its_step_says_none():
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, "x"]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["Ready", "a", 1, 1, "/s", "u", {}]]), "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [-1]]]), "malformed"),
+    # router weights: negative, NaN, infinite
+    (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [], "", -1, [-0.5]]]),
+     "malformed"),
+    (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [], "", -1, [float("nan")]]]),
+     "malformed"),
+    (msgpack.packb([SCHEMA_VERSION, ["AcquireReq", 1, 0, [1], [], "", -1, [float("inf")]]]),
+     "malformed"),
     (msgpack.packb([SCHEMA_VERSION, ["Hello", "w", 1, "not a table"]]), "malformed"),
     (b"\x00" * 70000, "oversized"),
 ])
