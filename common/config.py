@@ -35,6 +35,28 @@ class ConfigError(ValueError):
     """A configuration value is unknown, malformed or out of range."""
 
 
+def precision_numbers(setting: str, text: str) -> tuple[float, ...] | None:
+    """``cache.precision_split`` or ``precision_fractions``: three non-negative numbers
+    (native, int8, int4), not all 0; None for an empty text; else ConfigError."""
+    if not text.strip():
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or any(v != v for v in values) or min(values) < 0 or \
+            sum(values) <= 0 or sum(values) == float("inf"):
+        raise ConfigError(f"{setting} = {text!r}: three non-negative numbers (native, int8, "
+                          f"int4), comma-separated, not all 0")
+    return values
+
+
+def precision_split(cache) -> tuple[float, ...]:
+    """``cache.precision_split`` as the pools' fractions of the budget's bytes (sum 1)."""
+    split = precision_numbers("cache.precision_split", cache.precision_split) or (0.2, 0.3, 0.5)
+    return tuple(v / sum(split) for v in split)
+
+
 def _spec(doc: str, lo: float | None = None, hi: float | None = None,
           choices: tuple | None = None, size: bool = False, multiple_of: int | None = None,
           live: bool = False, fixed_because: str = "", secret: bool = False) -> dict:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from common.config import FlashMoEConfig
+from common.config import FlashMoEConfig, precision_split
 from common.traces import Trace, TraceError
 from flashmoe.sim.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
 from flashmoe.sim.hooks import SIM_WORKER, ReplayHooks
@@ -152,12 +152,14 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                 prefetch_budget: int = 0, prefetch_window: int | None = None,
                 precision: str = "native", fractions: tuple[float, ...] | None = None,
                 admit: float = 1.0, upgrades: int = 0, layout=None,
-                weight_power: float = 0.0) -> CoreRun:
+                weight_power: float = 0.0, split: tuple[float, ...] = (0.2, 0.3, 0.5)
+                ) -> CoreRun:
     """``core`` mode: the cache manager's core on a virtual clock, driven by the worker's
     acquire schedule. ``next_use``: per request in token-major order (oracle policies).
     Prefetch loads (``hooks`` hinting, within ``prefetch_budget``) share the SSD with demand
     reads; one is started when the disk has less than one expert's transfer left queued
-    (the free queue depth). ``precision``: cache.precision (``sim_layout``; ``fractions``:
+    (the free queue depth). ``precision``: cache.precision (``sim_layout`` with the pools'
+    byte ``split``, cache.precision_split; ``fractions``:
     random's; ``layout``: the arena's ``ArenaLayout``, a live store's, instead of the
     device model's; ``weight_power``: cache.precision_weight, by the trace's router
     probabilities); the run's ``mix`` is the router weight computed at each precision."""
@@ -166,7 +168,7 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
     n_slots = capacity * (L if scope == "layer" else 1)
     pools = pool_bytes = None
     if precision != "native":
-        layout = layout or sim_layout(capacity, expert_bytes, precision)
+        layout = layout or sim_layout(capacity, expert_bytes, precision, split)
         n_slots = layout.n_units
         pools = [(p.precision, list(p.slots())) for p in layout.pools]
         pool_bytes = {p: int(expert_bytes * r) for p, r in COPY_RATIO.items()}
@@ -301,7 +303,8 @@ def _core_job(policy: str, capacity: int, precision: str = "native",
                           precision=precision, fractions=fractions,
                           admit=config.cache.precision_admit,
                           upgrades=config.cache.precision_upgrades,
-                          weight_power=config.cache.precision_weight)
+                          weight_power=config.cache.precision_weight,
+                          split=precision_split(config.cache))
     except AcquireFailed as exc:
         return {"infeasible": str(exc)}
     stats = run.stats
@@ -409,6 +412,7 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
               if c in ("native", "int8", "int4") or p in learned]
     if mode != "core" and set(precisions) != {"native"}:
         raise PolicyError("--precision needs --mode core")
+    precision_split(_SHARED["config"].cache)  # a malformed split fails before any work
     first = [(p, capacities[f], c, None) for f in fractions for p, c in combos if c != "random"]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(first) or 1))
     metrics: dict[tuple, dict] = {}

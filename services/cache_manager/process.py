@@ -34,7 +34,7 @@ import zmq
 from common.arena import Arena, plan_layout
 from common.bus import (EndpointInUse, Inbox, PeerWatch, SeqGaps, Subscriber, handshake_mismatch,
                         make_socket)
-from common.config import ConfigError, FlashMoEConfig
+from common.config import ConfigError, FlashMoEConfig, precision_numbers, precision_split
 from common.protocol import (AcquireError, AcquireRep, AcquireReq, Dead, HealthRep, HealthReq,
                              Hello, LearningMessage,
                              PoliciesRep, PoliciesReq, Prediction, PrefetchHint, ProtocolError,
@@ -585,25 +585,10 @@ def run_cache_manager_process(config: FlashMoEConfig, endpoint: str, control_end
 def precision_layout(cache, store: ExpertStore):
     """(the arena's layout, the pools' byte split, random's fractions) of the cache section;
     ConfigError for a precision the store has no copy of, or a malformed split."""
-    def numbers(setting: str, text: str) -> tuple[float, ...] | None:
-        if not text.strip():
-            return None
-        try:
-            values = tuple(float(v) for v in text.split(","))
-        except ValueError:
-            values = ()
-        if len(values) != 3 or min(values) < 0 or sum(values) <= 0 or \
-                any(v != v for v in values):
-            raise ConfigError(f"{setting} = {text!r}: three non-negative numbers (native, int8, "
-                              f"int4), comma-separated, not all 0")
-        return values
-
-    split = numbers("cache.precision_split", cache.precision_split) or (0.2, 0.3, 0.5)
-    fractions = numbers("cache.precision_fractions", cache.precision_fractions)
-    total = sum(split)
+    split = precision_split(cache)
+    fractions = precision_numbers("cache.precision_fractions", cache.precision_fractions)
     try:
-        layout = plan_layout(store, cache.capacity_experts, cache.precision,
-                             tuple(v / total for v in split))
+        layout = plan_layout(store, cache.capacity_experts, cache.precision, split)
     except StoreError as exc:
         raise ConfigError(f"cache.precision = {cache.precision}: {exc}") from None
     if fractions is None and len(layout.pools) > 1:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from common.config import ConfigError, FlashMoEConfig
 from common.traces import Trace, TraceError
 from flashmoe.sim.device_model import DEVICES, MODEL_SHAPES
 from flashmoe.sim.replay import (build_requests, capacity_for, next_use_positions, replay,
@@ -127,8 +128,6 @@ def test_core_mode_belady_is_the_bound_in_the_layer_scope_too():
 def test_prefetch_inline_off_leaves_only_the_look_ahead_in_the_bench_too():
     """``prefetch.inline = false`` turns the inline prefetcher off in the bench as it does in
     the cache manager: LRU then prefetches nothing."""
-    from common.config import FlashMoEConfig
-
     issued = {}
     for inline in (True, False):
         config = FlashMoEConfig()
@@ -187,3 +186,23 @@ def test_bench_precisions_give_a_row_each_and_random_follows_dynamic():
         mix = rows[key]["precision_mix"]
         assert set(mix) <= {"native", "int8", "int4"} and abs(sum(mix.values()) - 1) < 1e-9
         assert rows[key]["ssd_bytes"] < rows[("flashmoe", "native")]["ssd_bytes"]
+
+
+def test_bench_lays_out_the_pools_by_the_configured_split():
+    """cache.precision_split reaches the simulated arena: more of the budget's bytes to the
+    native pool, more of the router weight computed at native."""
+    trace = tiny_trace()
+    shape = MODEL_SHAPES["olmoe-1b-7b"]
+    native = {}
+    for split in ("0.05,0.05,0.9", "0.8,0.1,0.1"):
+        config = FlashMoEConfig()
+        config.cache.precision_split = split
+        report = run_bench(trace, "global", [0.25], ["flashmoe"], DEVICES["orin-980pro"], shape,
+                           jobs=1, progress=False, config=config, precisions=("dynamic",))
+        native[split] = report["results"][0]["precision_mix"].get("native", 0.0)
+    assert native["0.05,0.05,0.9"] < native["0.8,0.1,0.1"]
+    config = FlashMoEConfig()
+    config.cache.precision_split = "1,2"
+    with pytest.raises(ConfigError, match="precision_split"):
+        run_bench(trace, "global", [0.25], ["flashmoe"], DEVICES["orin-980pro"], shape, jobs=1,
+                  progress=False, config=config, precisions=("dynamic",))
