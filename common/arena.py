@@ -294,16 +294,27 @@ def plan_layout(store, capacity_experts: int, precision: str,
     """The arena's layout for ``cache.precision``. The budget is ``capacity_experts`` native
     slots' bytes whatever the precision: at ``int8`` or ``int4`` it holds slots of that
     copy's size; ``dynamic`` and ``random`` cut it into native, int8 and int4 pools by the
-    byte fractions ``split``, each slot a whole number of units of the int4 slot's size (a
-    block read that crosses units is cut in two at the boundary: cache_manager/loads.py). The
-    store
-    must hold the copies asked for (``store.at`` says how to make them)."""
+    byte fractions ``split`` (a precision of fraction 0 gets no pool), each slot a whole
+    number of units of the int4 slot's size (a block read that crosses units is cut in two at
+    the boundary: cache_manager/loads.py). The store must hold the copies asked for
+    (``store.at`` says how to make them)."""
     wanted = {"int8": ("int8",), "int4": ("int4",)}.get(precision, ())
     if precision in ("dynamic", "random"):
         wanted = ("int8", "int4")
     sizes = {"native": store.manifest.slot_bytes,
              **{p: store.at(p).manifest.slot_bytes for p in wanted}}
     return plan_pools(sizes, capacity_experts, precision, split)
+
+
+def pool_fractions(layout: ArenaLayout, fractions: tuple[float, ...] | None
+                   ) -> tuple[float, ...]:
+    """``random``'s probability of each pool of ``layout``: from ``fractions`` (one per
+    precision, native, int8 and int4, as cache.precision_fractions gives them; a precision
+    without a pool is left out), or by default the pools' shares of slots."""
+    if fractions is None:
+        return tuple(float(p.n_slots) for p in layout.pools)
+    by_name = dict(zip(("native", "int8", "int4"), fractions))
+    return tuple(float(by_name[p.precision]) for p in layout.pools)
 
 
 def plan_pools(sizes: dict[str, int], capacity_experts: int, precision: str,
@@ -323,6 +334,8 @@ def plan_pools(sizes: dict[str, int], capacity_experts: int, precision: str,
     unit = sizes["int4"]
     pools, first = [], 0
     for name, share in zip(("native", "int8", "int4"), split):
+        if share <= 0:
+            continue  # no pool of that precision
         units = -(-sizes[name] // unit)
         n = max(1, int(share * budget) // (units * unit))
         pools.append(Pool(name, first, n, units))

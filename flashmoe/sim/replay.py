@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from common.arena import pool_fractions
 from common.config import FlashMoEConfig, precision_split
 from common.traces import Trace, TraceError
 from flashmoe.sim.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
@@ -172,8 +173,8 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
         n_slots = layout.n_units
         pools = [(p.precision, list(p.slots())) for p in layout.pools]
         pool_bytes = {p: int(expert_bytes * r) for p, r in COPY_RATIO.items()}
-        if fractions is None and len(pools) > 1:
-            fractions = tuple(float(p.n_slots) for p in layout.pools)
+        if len(pools) > 1:
+            fractions = pool_fractions(layout, fractions)
     mix: dict[str, float] = {}
     probs = trace.probs
     # One cache for the whole trace (global), or a fresh one per sequence (layer scope).

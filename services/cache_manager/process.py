@@ -31,7 +31,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 import zmq
 
-from common.arena import Arena, plan_layout
+from common.arena import Arena, plan_layout, pool_fractions
 from common.bus import (EndpointInUse, Inbox, PeerWatch, SeqGaps, Subscriber, handshake_mismatch,
                         make_socket)
 from common.config import ConfigError, FlashMoEConfig, precision_numbers, precision_split
@@ -591,6 +591,5 @@ def precision_layout(cache, store: ExpertStore):
         layout = plan_layout(store, cache.capacity_experts, cache.precision, split)
     except StoreError as exc:
         raise ConfigError(f"cache.precision = {cache.precision}: {exc}") from None
-    if fractions is None and len(layout.pools) > 1:
-        fractions = tuple(float(p.n_slots) for p in layout.pools)
+    fractions = pool_fractions(layout, fractions) if len(layout.pools) > 1 else None
     return layout, split, fractions

@@ -78,11 +78,13 @@ def test_a_looping_worker_stops_on_sigterm_and_reports(gptoss_tiny_store, start_
     assert stats["n_hit"] + stats["n_miss"] > 5 * 24 * 4  # (which are hits is timing's)
 
 
-@pytest.mark.parametrize("precision", ["int4", "random"])
-def test_live_equals_the_simulator_with_experts_at_their_precisions(precision, tmp_path,
+@pytest.mark.parametrize("precision, split", [("int4", None), ("random", None),
+                                              ("random", (0.0, 0.5, 0.5))])
+def test_live_equals_the_simulator_with_experts_at_their_precisions(precision, split, tmp_path,
                                                                     start_manager):
     """One bookkeeping for every precision: the same layout of pools (the store's copies'
-    sizes), the same draws, the same counts, per precision too."""
+    sizes), the same draws, the same counts, per precision too (and without a native pool
+    where the split gives it nothing)."""
     from common.arena import plan_layout
     from common.store import ExpertStore
     from flashmoe.tools.store_writer import write_copies
@@ -92,11 +94,15 @@ def test_live_equals_the_simulator_with_experts_at_their_precisions(precision, t
     write_copies(store, ["int8", "int4"], show_progress=False)
     manager = start_manager(store, "cache.policy=lru", "cache.capacity_experts=64",
                             f"cache.precision={precision}", "cache.precision_fractions=1,1,2",
-                            "prefetch.inline=false", "prefetch.learned=0")
+                            "prefetch.inline=false", "prefetch.learned=0",
+                            *([f"cache.precision_split={','.join(map(str, split))}"]
+                              if split else []))
     live, piece = replay_live(manager, tmp_path)
     with ExpertStore.open(store) as opened:
-        layout = plan_layout(opened, 64, precision)
+        layout = plan_layout(opened, 64, precision, split or (0.2, 0.3, 0.5))
         expert_bytes = opened.manifest.max_expert_bytes
+    if split:
+        assert [p.precision for p in layout.pools] == ["int8", "int4"]
     sim = replay_core("lru", 64, piece, "global", DEVICES["orin-980pro"], expert_bytes, 0.0,
                       precision=precision, fractions=(1.0, 1.0, 2.0), layout=layout)
     keys = ["n_hit", "n_miss", "n_load", "n_evict"] + [f"n_load_{p.precision}"

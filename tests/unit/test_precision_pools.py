@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from common.arena import ArenaLayout, Pool, plan_layout
+from common.arena import ArenaLayout, Pool, plan_layout, plan_pools, pool_fractions
 from common.store import READ_OP_DTYPE
 from services.cache_manager.core import CacheManagerCore
 from services.cache_manager.loads import split_at_units
@@ -81,6 +81,24 @@ def test_plan_layout_keeps_the_budget_in_bytes(tmp_path):
         assert [p.precision for p in layout.pools] == ["native", "int8", "int4"]
         assert layout.n_units * layout.unit_bytes <= budget
         assert layout.pools[2].units == 1 and layout.pools[0].units > layout.pools[1].units
+
+
+def test_a_precision_given_no_share_of_the_budget_gets_no_pool():
+    sizes = {"native": 4 * 4096, "int8": 2 * 4096, "int4": 4096}
+    layout = plan_pools(sizes, 40, "dynamic", (0.0, 0.5, 0.5))
+    assert [(p.precision, p.n_slots, p.units) for p in layout.pools] == \
+        [("int8", 40, 2), ("int4", 80, 1)]
+    assert layout.n_units * layout.unit_bytes <= 40 * sizes["native"]
+    # random's fractions are given per precision and taken for the pools there are
+    assert pool_fractions(layout, (5.0, 1.0, 3.0)) == (1.0, 3.0)
+    assert pool_fractions(layout, None) == (40.0, 80.0)
+    c = CacheManagerCore(SIZES, layout.n_units, "lru", precision="random",
+                         pools=[(p.precision, list(p.slots())) for p in layout.pools],
+                         pool_bytes={"int8": 500, "int4": 250},
+                         fractions=pool_fractions(layout, (5.0, 1.0, 3.0)))
+    slots, loads, _ = c.acquire("w", 0, list(range(8)))
+    assert {c.precision_of(s) for s in slots} <= {"int8", "int4"}
+    assert c.stats["n_load_int8"] + c.stats["n_load_int4"] == 8 and "n_load_native" not in c.stats
 
 
 def test_dynamic_puts_an_expert_expected_soon_at_native_and_the_rest_lower():
