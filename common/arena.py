@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import PRECISION_SPLIT
 from common.store import ALIGN, ExpertEntry, round_up
 
 SHM_DIR = Path("/dev/shm")
@@ -290,7 +291,7 @@ class ArenaLayout:
 
 
 def plan_layout(store, capacity_experts: int, precision: str,
-                split: tuple[float, float, float] = (0.2, 0.3, 0.5)) -> ArenaLayout:
+                split: tuple[float, float, float] | None = None) -> ArenaLayout:
     """The arena's layout for ``cache.precision``. The budget is ``capacity_experts`` native
     slots' bytes whatever the precision: at ``int8`` or ``int4`` it holds slots of that
     copy's size; ``dynamic`` and ``random`` cut it into native, int8 and int4 pools by the
@@ -318,9 +319,10 @@ def pool_fractions(layout: ArenaLayout, fractions: tuple[float, ...] | None
 
 
 def plan_pools(sizes: dict[str, int], capacity_experts: int, precision: str,
-               split: tuple[float, float, float] = (0.2, 0.3, 0.5)) -> ArenaLayout:
+               split: tuple[float, float, float] | None = None) -> ArenaLayout:
     """``plan_layout`` from the slot bytes of each precision (``sizes``: native, and the
-    copies the precision needs); the simulator's way in."""
+    copies the precision needs); the simulator's way in. ``split`` None: the default."""
+    split = PRECISION_SPLIT if split is None else split
     native_slot = sizes["native"]
     budget = capacity_experts * native_slot
     if precision == "native":

@@ -35,6 +35,10 @@ class ConfigError(ValueError):
     """A configuration value is unknown, malformed or out of range."""
 
 
+# cache.precision_split's default: the budget's bytes to the native, int8 and int4 pools
+PRECISION_SPLIT = (0.0, 0.7, 0.3)
+
+
 def precision_numbers(setting: str, text: str) -> tuple[float, ...] | None:
     """``cache.precision_split`` or ``precision_fractions``: three non-negative numbers
     (native, int8, int4), not all 0; None for an empty text; else ConfigError."""
@@ -53,7 +57,7 @@ def precision_numbers(setting: str, text: str) -> tuple[float, ...] | None:
 
 def precision_split(cache) -> tuple[float, ...]:
     """``cache.precision_split`` as the pools' fractions of the budget's bytes (sum 1)."""
-    split = precision_numbers("cache.precision_split", cache.precision_split) or (0.2, 0.3, 0.5)
+    split = precision_numbers("cache.precision_split", cache.precision_split) or PRECISION_SPLIT
     return tuple(v / sum(split) for v in split)
 
 
@@ -128,9 +132,11 @@ class CacheConfig:
         "capacity_experts native slots' bytes. The store needs the copies: `flashmoe "
         "synth-store/convert --precisions bf16,int8,int4`.",
         choices=("native", "int8", "int4", "dynamic", "random")))
-    precision_split: str = field(default="0.2,0.3,0.5", metadata=_spec(
+    precision_split: str = field(default=",".join(map(str, PRECISION_SPLIT)), metadata=_spec(
         "dynamic and random: the budget's byte fractions of the native, int8 and int4 pools "
-        "(three numbers, comma-separated)."))
+        "(three numbers, comma-separated; 0: no pool of that precision). The default, no "
+        "native pool, computes with the least error at its bytes on the dev split "
+        "(docs/results/precision.md)."))
     precision_admit: float = field(default=1.0, metadata=_spec(
         "dynamic: a miss is loaded at a better precision only if it is expected back sooner "
         "than that pool's latest-expected resident by (its bytes / int4's bytes) to this "

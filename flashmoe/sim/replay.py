@@ -136,7 +136,7 @@ class CoreRun:
 COPY_RATIO = {"int8": 0.5, "int4": (4 + 16 / 32) / 16}
 
 
-def sim_layout(capacity: int, expert_bytes: int, precision: str, split=(0.2, 0.3, 0.5)):
+def sim_layout(capacity: int, expert_bytes: int, precision: str, split=None):
     """The arena's layout for ``precision`` at the device model's expert size."""
     from common.arena import plan_pools
     from common.store import ALIGN, round_up
@@ -153,7 +153,7 @@ def replay_core(policy: str, capacity: int, trace: Trace, scope: str, device: De
                 prefetch_budget: int = 0, prefetch_window: int | None = None,
                 precision: str = "native", fractions: tuple[float, ...] | None = None,
                 admit: float = 1.0, upgrades: int = 0, layout=None,
-                weight_power: float = 0.0, split: tuple[float, ...] = (0.2, 0.3, 0.5)
+                weight_power: float = 0.0, split: tuple[float, ...] | None = None
                 ) -> CoreRun:
     """``core`` mode: the cache manager's core on a virtual clock, driven by the worker's
     acquire schedule. ``next_use``: per request in token-major order (oracle policies).

@@ -99,7 +99,7 @@ def test_live_equals_the_simulator_with_experts_at_their_precisions(precision, s
                               if split else []))
     live, piece = replay_live(manager, tmp_path)
     with ExpertStore.open(store) as opened:
-        layout = plan_layout(opened, 64, precision, split or (0.2, 0.3, 0.5))
+        layout = plan_layout(opened, 64, precision, split)  # (None: the default)
         expert_bytes = opened.manifest.max_expert_bytes
     if split:
         assert [p.precision for p in layout.pools] == ["int8", "int4"]

@@ -82,7 +82,11 @@ def test_worker_at_a_copy_computes_what_transformers_computes_with_its_weights(
         family, precision, stores, start_manager):
     ckpt, store = stores(family)
     prompt = AutoTokenizer.from_pretrained(str(store))(PROMPT)["input_ids"]
-    manager = start_manager(store, "cache.capacity_experts=6", f"cache.precision={precision}")
+    # a budget of fewer slots than the experts the steps touch, whatever they route to: the
+    # copies' slots are reused
+    capacity = {"int8": 6, "int4": 4}[precision]
+    manager = start_manager(store, f"cache.capacity_experts={capacity}",
+                            f"cache.precision={precision}")
     with CacheClient(manager.endpoint) as client:
         assert {p.precision for p in client.arena.layout.pools} == {precision}
         fetch = arena_fetch(client)
@@ -118,7 +122,7 @@ def test_dynamic_serves_three_pools_and_a_qweight_reads_the_arena_in_place(tmp_p
     synth_store(path, "gpt-oss-tiny", 0.5, show_progress=False).close()
     write_copies(path, ["int8", "int4"], show_progress=False)
     manager = start_manager(path, "cache.capacity_experts=40", "cache.precision=random",
-                            "cache.precision_fractions=1,1,1")
+                            "cache.precision_split=0.2,0.3,0.5", "cache.precision_fractions=1,1,1")
     with CacheClient(manager.endpoint) as client:
         names = [p.precision for p in client.arena.layout.pools]
         assert names == ["native", "int8", "int4"]
