@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import PRECISION_SPLIT
+from common.quant import PRECISIONS
 from common.store import ALIGN, ExpertEntry, round_up
 
 SHM_DIR = Path("/dev/shm")
@@ -314,7 +315,7 @@ def pool_fractions(layout: ArenaLayout, fractions: tuple[float, ...] | None
     without a pool is left out), or by default the pools' shares of slots."""
     if fractions is None:
         return tuple(float(p.n_slots) for p in layout.pools)
-    by_name = dict(zip(("native", "int8", "int4"), fractions))
+    by_name = dict(zip(PRECISIONS, fractions))
     return tuple(float(by_name[p.precision]) for p in layout.pools)
 
 
@@ -335,7 +336,7 @@ def plan_pools(sizes: dict[str, int], capacity_experts: int, precision: str,
                          f"random")
     unit = sizes["int4"]
     pools, first = [], 0
-    for name, share in zip(("native", "int8", "int4"), split):
+    for name, share in zip(PRECISIONS, split):
         if share <= 0:
             continue  # no pool of that precision
         units = -(-sizes[name] // unit)

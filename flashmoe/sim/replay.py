@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from common.arena import pool_fractions
 from common.config import FlashMoEConfig, precision_split
+from common.quant import PRECISIONS
 from common.traces import Trace, TraceError
 from flashmoe.sim.device_model import DeviceModel, ModelShape, SimulatedSSD, describe, token_time_ms
 from flashmoe.sim.hooks import SIM_WORKER, ReplayHooks
@@ -313,7 +314,7 @@ def _core_job(policy: str, capacity: int, precision: str = "native",
            "n_hit_loading": stats["n_hit_loading"], "mix": run.mix,
            "bytes_loaded": stats["n_byte_loaded"],
            "loads_by_precision": {p: stats.get(f"n_load_{p}", 0)
-                                  for p in ("native", "int8", "int4")}}
+                                  for p in PRECISIONS}}
     if prefetch:
         out.update({k: stats[k] for k in ("prefetch_issued", "prefetch_used", "prefetch_wasted",
                                           "prefetch_bytes", "prefetch_learned")})
@@ -427,7 +428,7 @@ def run_bench(trace: Trace, scope: str, fractions: list[float], policies: list[s
                 share = metrics.get((p, capacities[f], "dynamic"), {}).get("loads_by_precision")
                 if c == "random":
                     work.append((p, capacities[f], c, tuple(
-                        float(share[x]) for x in ("native", "int8", "int4"))
+                        float(share[x]) for x in PRECISIONS)
                         if share and sum(share.values()) else None))
         return work
 

@@ -145,10 +145,9 @@ class CacheManagerCore(PrecisionPools):
         # reads them, and one that succeeds takes the expert off.
         self.bad: set[ExpertKey] = set()
         self.stats = Counter(dict.fromkeys(STATS_KEYS, 0))
-        self._init_pools(pools, pool_bytes, precision, fractions, seed, admit,
+        self._init_pools(pools, pool_bytes, precision, fractions, seed, admit, weight_power,
                          upgrades_per_token, scope, policy, policy_params, layers,
                          num_experts, n_slots)
-        self.weight_power = weight_power
 
     # --- pins -----------------------------------------------------------------------------
 
@@ -285,7 +284,9 @@ class CacheManagerCore(PrecisionPools):
         pinned: list[ExpertKey] = []
         n_hit = n_miss = n_loading = 0
         # a miss's router weight over the request's mean: its share (1: an even one)
-        mean_weight = sum(weights) / len(weights) if weights else 0.0
+        # (only where it can count: several pools, weighed)
+        mean_weight = sum(weights) / len(weights) if weights and self.weight_power and \
+            self.multi else 0.0
         try:
             for i, key in enumerate(keys):
                 slot = slot_of.get(key)

@@ -22,7 +22,7 @@ ExpertKey = tuple[int, int]  # (layer, expert)
 class PrecisionPools:
     """Mixed into ``CacheManagerCore``: its pools, their choice and the upgrades."""
 
-    def _init_pools(self, pools, pool_bytes, precision, fractions, seed, admit,
+    def _init_pools(self, pools, pool_bytes, precision, fractions, seed, admit, weight_power,
                     upgrades_per_token, scope, policy, policy_params, layers, num_experts,
                     n_slots) -> None:
         # --- pools of precisions: several (dynamic, random) or one of a copy (int8, int4) ---
@@ -69,6 +69,7 @@ class PrecisionPools:
         self.upgrading: dict[ExpertKey, object] = {}
         self.switch_pending: dict[ExpertKey, object] = {}  # read, waiting for the pins to go
         self.upgrades_per_token = upgrades_per_token
+        self.weight_power = weight_power  # (``_choose_pool``)
         self._upgrade_step: int | None = None  # the step whose upgrades are counted
         self._upgrades_left = upgrades_per_token
         if self.multi:

@@ -111,7 +111,7 @@ class CacheManager(Service):
 
     def set_up(self, config: FlashMoEConfig, endpoint: str, predictions: list[str]) -> None:
         self.store = ExpertStore.open(config.store.path)
-        layout, split, fractions = precision_layout(config.cache, self.store)
+        layout, fractions = precision_layout(config.cache, self.store)
         # The core first: a bad policy, parameter or scope fails before any arena or ring.
         try:
             self.core = CacheManagerCore(
@@ -583,13 +583,13 @@ def run_cache_manager_process(config: FlashMoEConfig, endpoint: str, control_end
 
 
 def precision_layout(cache, store: ExpertStore):
-    """(the arena's layout, the pools' byte split, random's fractions) of the cache section;
+    """(the arena's layout, random's fractions) of the cache section;
     ConfigError for a precision the store has no copy of, or a malformed split."""
-    split = precision_split(cache)
     fractions = precision_numbers("cache.precision_fractions", cache.precision_fractions)
     try:
-        layout = plan_layout(store, cache.capacity_experts, cache.precision, split)
+        layout = plan_layout(store, cache.capacity_experts, cache.precision,
+                             precision_split(cache))
     except StoreError as exc:
         raise ConfigError(f"cache.precision = {cache.precision}: {exc}") from None
     fractions = pool_fractions(layout, fractions) if len(layout.pools) > 1 else None
-    return layout, split, fractions
+    return layout, fractions
